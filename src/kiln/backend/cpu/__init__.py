@@ -1,0 +1,74 @@
+"""The CPU backend: NumPy arrays and the reference kernels every other backend is tested against.
+
+Kernels compute in float64 for float64 inputs and in float32 otherwise (bfloat16 and float16
+inputs are upcast, as a GPU kernel with fp32 accumulation does), and return the input dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.backend.cpu.adamw import adamw_step, grad_norm, scale_
+from kiln.backend.cpu.attention import attention_bwd, attention_fwd
+from kiln.backend.cpu.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
+from kiln.backend.cpu.dropout import dropout_fwd
+from kiln.backend.cpu.embedding import embedding_bwd, embedding_fwd
+from kiln.backend.cpu.gelu import gelu_bwd, gelu_fwd
+from kiln.backend.cpu.layer_norm import layer_norm_bwd, layer_norm_fwd
+from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, matmul
+from kiln.backend.cpu.softmax import log_softmax_bwd, log_softmax_fwd, softmax_bwd, softmax_fwd
+
+xp = np
+name = "cpu"
+
+__all__ = [
+    "adamw_step", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
+    "cross_entropy_fwd", "dropout_fwd", "embedding_bwd", "embedding_fwd", "gelu_bwd", "gelu_fwd",
+    "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "matmul", "log_softmax_bwd",
+    "log_softmax_fwd", "softmax_bwd", "softmax_fwd",
+]
+
+
+def asarray(data, dtype=None):
+    """An array of this backend from a host or device array, list or scalar (copies when needed)."""
+    if hasattr(data, "get") and not isinstance(data, np.ndarray):  # a CuPy array
+        data = data.get()
+    return np.asarray(data, dtype=dtype)
+
+
+def to_numpy(array) -> np.ndarray:
+    return array
+
+
+def empty(shape, dtype):
+    return np.empty(shape, dtype=dtype)
+
+
+def zeros(shape, dtype):
+    return np.zeros(shape, dtype=dtype)
+
+
+def new_generator(seed: int):
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def generator_state(gen) -> dict:
+    return gen.bit_generator.state
+
+
+def set_generator_state(gen, state: dict) -> None:
+    gen.bit_generator.state = state
+
+
+def rng_normal(gen, shape, dtype):
+    return gen.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False) \
+        if np.dtype(dtype) != np.float64 else gen.standard_normal(shape)
+
+
+def rng_uniform(gen, shape, dtype):
+    return gen.random(shape, dtype=np.float32).astype(dtype, copy=False) \
+        if np.dtype(dtype) != np.float64 else gen.random(shape)
+
+
+def synchronize() -> None:
+    """Nothing to wait for: NumPy runs each kernel to completion."""

@@ -1,0 +1,32 @@
+"""Matrix products: batched matmul, and the linear layer y = x @ W^T + b with its backward."""
+
+import numpy as np
+
+from kiln.backend.cpu.compute import upcast
+
+
+def _gemm(a, b, out_dtype):
+    if a.dtype == out_dtype and b.dtype == out_dtype and out_dtype in (np.float32, np.float64):
+        return a @ b
+    return (upcast(a) @ upcast(b)).astype(out_dtype, copy=False)
+
+
+def matmul(a, b):
+    """a @ b with NumPy's batching and broadcasting rules."""
+    return _gemm(a, b, a.dtype)
+
+
+def linear_fwd(x, weight, bias):
+    """y[N, out] = x[N, in] @ weight[out, in]^T (+ bias[out])."""
+    y = _gemm(x, weight.T, x.dtype)
+    if bias is not None:
+        y += bias.astype(y.dtype, copy=False)
+    return y
+
+
+def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
+    """(dx, dweight, dbias) for y = x @ weight^T + b; grad and x are 2-D."""
+    dx = _gemm(grad, weight, x.dtype) if need_dx else None
+    dw = _gemm(grad.T, x, weight.dtype) if need_dw else None
+    db = upcast(grad).sum(axis=0).astype(weight.dtype, copy=False) if need_db else None
+    return dx, dw, db
