@@ -90,3 +90,12 @@ def cuda_is_available() -> bool:
     except DeviceError:
         return False
     return True
+
+
+def array_module(array):
+    """NumPy or CuPy, whichever `array` belongs to (for code that only has the array)."""
+    import numpy as np
+    if isinstance(array, (np.ndarray, np.generic)):
+        return np
+    import cupy
+    return cupy

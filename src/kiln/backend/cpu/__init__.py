@@ -70,5 +70,10 @@ def rng_uniform(gen, shape, dtype):
         if np.dtype(dtype) != np.float64 else gen.random(shape)
 
 
+def scatter_add(dst, index, src) -> None:
+    """dst[index] += src with repeated indices adding up (the backward of integer indexing)."""
+    np.add.at(dst, index, src)
+
+
 def synchronize() -> None:
     """Nothing to wait for: NumPy runs each kernel to completion."""

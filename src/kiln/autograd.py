@@ -1,0 +1,245 @@
+"""The reverse-mode engine: graph nodes, saved tensors, grad mode, and `backward`.
+
+An op is a `Function`: `forward(ctx, *args)` computes backend arrays from Tensors, `backward(ctx,
+*grads)` returns one gradient array (or None) per Tensor argument. `apply` wraps the outputs in
+Tensors whose `grad_fn` is the node; the node keeps edges to its inputs' nodes (never the input
+Tensors themselves) and the arrays it saved, each with the version it was saved at.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+
+from kiln.errors import AutogradError
+
+_state = threading.local()
+_sequence = itertools.count()
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_state, "grad_enabled", True)
+
+
+class _GradMode:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.prev = is_grad_enabled()
+        _state.grad_enabled = self.enabled
+
+    def __exit__(self, *exc):
+        _state.grad_enabled = self.prev
+
+    def __call__(self, fn):
+        def wrapped(*args, **kwargs):
+            with _GradMode(self.enabled):
+                return fn(*args, **kwargs)
+        wrapped.__name__ = fn.__name__
+        wrapped.__doc__ = fn.__doc__
+        return wrapped
+
+
+def no_grad() -> _GradMode:
+    """Context manager (or decorator): ops inside record no graph."""
+    return _GradMode(False)
+
+
+def enable_grad() -> _GradMode:
+    return _GradMode(True)
+
+
+class AccumulateGrad:
+    """The sink of a leaf tensor's gradient: adds into `leaf.grad`, then fires its hooks."""
+
+    __slots__ = ("leaf", "seq", "__weakref__")
+
+    def __init__(self, leaf):
+        self.leaf = leaf
+        self.seq = -1  # leaves run last among equals
+
+    def accumulate(self, grad) -> None:
+        leaf = self.leaf
+        if grad.dtype != leaf.dtype.np:
+            grad = grad.astype(leaf.dtype.np)
+        if grad.shape != leaf.shape:
+            raise AutogradError(f"gradient of shape {grad.shape} for a leaf of shape {leaf.shape}")
+        if leaf.grad is None:
+            from kiln.tensor import Tensor
+            leaf.grad = Tensor._wrap(grad.copy(), leaf.device)
+        else:
+            leaf.grad.data += grad
+        for hook in leaf._post_accumulate_hooks:
+            hook(leaf)
+
+
+class Function:
+    """Base of every differentiable op; a subclass instance is one node of the graph."""
+
+    __slots__ = ("next_edges", "needs_input_grad", "_saved", "seq", "num_outputs", "freed", "__dict__")
+    is_view = False  # True for ops whose outputs alias their first input (they share its version)
+
+    @staticmethod
+    def forward(ctx, *args, **kwargs):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, *grads):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        from kiln.tensor import Tensor
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        _check_same_device(cls.__name__, tensors)
+        record = is_grad_enabled() and any(t.requires_grad for t in tensors)
+        ctx = cls.__new__(cls)
+        ctx._saved = ()
+        ctx.freed = False
+        ctx.needs_input_grad = tuple(t.requires_grad for t in tensors) if record else (False,) * len(tensors)
+        out = cls.forward(ctx, *args, **kwargs)
+        device = ctx.__dict__.get("out_device") or (tensors[0].device if tensors else None)
+        version = tensors[0]._version if cls.is_view else None
+        multi = isinstance(out, tuple)
+        outs = out if multi else (out,)
+        if not record:
+            wrapped = tuple(Tensor._wrap(o, device, version=version) for o in outs)
+        else:
+            ctx.next_edges = tuple(_edge(t) for t in tensors)
+            ctx.seq = next(_sequence)
+            ctx.num_outputs = len(outs)
+            if multi:
+                ctx.output_meta = [(o.shape, o.dtype) for o in outs]
+                ctx.output_backend = device.backend
+            wrapped = tuple(Tensor._wrap(o, device, requires_grad=True, grad_fn=ctx, output_nr=i,
+                                         version=version) for i, o in enumerate(outs))
+        return wrapped if multi else wrapped[0]
+
+    def save_for_backward(self, *tensors) -> None:
+        """Keep these Tensors' arrays (None allowed) with their versions, checked in backward."""
+        self._saved = tuple(None if t is None else (t.data, t._version, t._version[0]) for t in tensors)
+
+    @property
+    def saved(self):
+        if self.freed:
+            raise AutogradError(
+                f"backward through {type(self).__name__} a second time: its saved tensors were freed "
+                "after the first backward; pass retain_graph=True to the first backward to keep them")
+        out = []
+        for item in self._saved:
+            if item is None:
+                out.append(None)
+                continue
+            data, box, version = item
+            if box[0] != version:
+                raise AutogradError(
+                    f"a tensor saved for the backward of {type(self).__name__} was modified in place "
+                    f"(it is at version {box[0]}, it was saved at version {version}); "
+                    "clone it before changing it")
+            out.append(data)
+        return out
+
+    def release(self) -> None:
+        self._saved = ()
+        self.freed = True
+
+
+def _edge(t):
+    if not t.requires_grad:
+        return None
+    if t.grad_fn is not None:
+        return (t.grad_fn, t._output_nr)
+    if t._accumulator is None:
+        t._accumulator = AccumulateGrad(t)
+    return (t._accumulator, 0)
+
+
+def _check_same_device(op: str, tensors) -> None:
+    if len(tensors) > 1:
+        dev = tensors[0].device
+        for t in tensors[1:]:
+            if t.device != dev:
+                from kiln.errors import DeviceError
+                raise DeviceError(f"{op}: tensors on different devices ({dev} and {t.device}); "
+                                  "move them with .to(device) first")
+
+
+def backward(root, grad, retain_graph: bool = False) -> None:
+    """Run the graph below `root` in reverse topological order, from `grad` (an array)."""
+    if root.grad_fn is None:
+        if root.requires_grad:
+            root._accumulator = root._accumulator or AccumulateGrad(root)
+            root._accumulator.accumulate(grad)
+            return
+        raise AutogradError("backward on a tensor that does not require grad and has no grad_fn")
+
+    # Count, for every node below root, how many edges lead into it.
+    deps: dict = {}
+    stack = [root.grad_fn]
+    seen = {id(root.grad_fn)}
+    while stack:
+        node = stack.pop()
+        if isinstance(node, AccumulateGrad):
+            continue
+        for edge in node.next_edges:
+            if edge is None:
+                continue
+            child = edge[0]
+            deps[id(child)] = deps.get(id(child), 0) + 1
+            if id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+
+    pending: dict = {id(root.grad_fn): [None] * root.grad_fn.num_outputs}
+    pending[id(root.grad_fn)][root._output_nr] = grad
+    # Later nodes first, as PyTorch does: parameters used last get their gradients first (DDP).
+    ready = [(-root.grad_fn.seq, 0, root.grad_fn)]
+    tie = itertools.count(1)
+    with no_grad():
+        while ready:
+            _, _, node = heapq.heappop(ready)
+            grads = pending.pop(id(node), None)
+            if isinstance(node, AccumulateGrad):
+                if grads is not None:
+                    node.accumulate(grads[0])
+                continue
+            # A node that no gradient reached still releases its children's counts.
+            in_grads = _run_node(node, grads) if grads is not None else (None,) * len(node.next_edges)
+            if not retain_graph:
+                node.release()
+            for edge, g in zip(node.next_edges, in_grads):
+                if edge is None:
+                    continue
+                child, nr = edge
+                key = id(child)
+                if g is not None:
+                    slot = pending.get(key)
+                    if slot is None:
+                        slot = pending[key] = [None] * (1 if isinstance(child, AccumulateGrad)
+                                                        else child.num_outputs)
+                    slot[nr] = g if slot[nr] is None else slot[nr] + g
+                deps[key] -= 1
+                if deps[key] == 0:
+                    heapq.heappush(ready, (-child.seq, next(tie), child))
+
+
+def _run_node(node, grads):
+    if node.freed:
+        raise AutogradError(
+            f"backward through {type(node).__name__} a second time: the graph was freed by the "
+            "first backward; pass retain_graph=True to the first backward to keep it")
+    if any(g is None for g in grads):
+        return _run_with_missing(node, grads)
+    out = node.backward(node, *grads)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _run_with_missing(node, grads):
+    """Outputs of a multi-output node that received no gradient get zeros."""
+    xp = node.output_backend.xp
+    filled = [g if g is not None else xp.zeros(shape, dtype=dtype)
+              for g, (shape, dtype) in zip(grads, node.output_meta)]
+    out = node.backward(node, *filled)
+    return out if isinstance(out, tuple) else (out,)

@@ -1,0 +1,159 @@
+"""GPT-2: a decoder-only transformer of pre-norm blocks, as in nanoGPT and the paper's Figure 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.autograd import no_grad
+from kiln.errors import ConfigError
+from kiln.nn import functional as F
+from kiln.nn.layers import Dropout, Embedding, GELU, LayerNorm, Linear
+from kiln.nn.module import Module, ModuleList
+from kiln.tensor import Tensor, arange
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128       # context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head "
+                              f"({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+PRESETS = {
+    # The CPU default: trains on the bundled corpus (bytes) in minutes on two cores.
+    "tiny": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),
+    # The paper's Table 1: GPT-2 124M, vocabulary 50257 padded to 50304.
+    "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    # The paper's Table 5: 2.42B parameters, head dim 128.
+    "gpt2-2.4b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=20, n_head=24, n_embd=3072),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """A copy of a preset's config, with fields overridden."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    bad = [k for k in overrides if k not in fields]
+    if bad:
+        raise ConfigError(f"unknown model settings {bad}; allowed: {sorted(fields)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+class CausalSelfAttention(Module):
+    def __init__(self, cfg: GPTConfig, generator=None):
+        super().__init__()
+        self.n_head = cfg.n_head
+        resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, generator=generator)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
+        self.resid_dropout = Dropout(cfg.dropout)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.n_head
+        qkv = self.c_attn(x).reshape(b, t, 3, h, c // h).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.split(1, dim=0)
+        y = F.scaled_dot_product_attention(q.reshape(b, h, t, c // h), k.reshape(b, h, t, c // h),
+                                           v.reshape(b, h, t, c // h))
+        y = y.transpose(1, 2).reshape(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(Module):
+    def __init__(self, cfg: GPTConfig, generator=None):
+        super().__init__()
+        resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, generator=generator)
+        self.gelu = GELU()
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
+        self.dropout = Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(Module):
+    def __init__(self, cfg: GPTConfig, generator=None):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, generator)
+        self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg, generator)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(Module):
+    """Token and position embeddings, n_layer Blocks, a final LayerNorm and the LM head."""
+
+    def __init__(self, cfg: GPTConfig, generator=None):
+        super().__init__()
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, generator=generator)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd, generator=generator)
+        self.drop = Dropout(cfg.dropout)
+        self.h = ModuleList(Block(cfg, generator) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        if not cfg.tie_weights:
+            self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, generator=generator)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None):
+        """(logits [B, T, V], loss or None) for token ids idx [B, T]."""
+        b, t = idx.shape
+        if t > self.config.block_size:
+            raise ConfigError(f"sequence of length {t} is longer than the model's context "
+                              f"({self.config.block_size})")
+        pos = arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        head = self.wte.weight if self.config.tie_weights else self.lm_head.weight
+        logits = F.linear(x, head)
+        loss = None if targets is None else F.cross_entropy(logits, targets)
+        return logits, loss
+
+    @no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator=None) -> Tensor:
+        """Sample max_new_tokens after the prompt idx [B, T]; the context is cropped to block_size."""
+        rng = generator if generator is not None else np.random.default_rng(0)
+        out = idx.numpy().astype(np.int64)
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            ctx = Tensor(out[:, -self.config.block_size:], device=idx.device)
+            logits, _ = self(ctx)
+            last = logits[:, -1, :].numpy().astype(np.float64) / max(temperature, 1e-8)
+            if top_k is not None:
+                kth = np.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
+                last = np.where(last < kth, -np.inf, last)
+            p = np.exp(last - last.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            nxt = np.array([[rng.choice(p.shape[-1], p=row)] for row in p])
+            out = np.concatenate([out, nxt], axis=1)
+        self.train(was_training)
+        return Tensor(out, device=idx.device)

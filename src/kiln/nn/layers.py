@@ -1,0 +1,64 @@
+"""The layers a GPT is made of: Linear, Embedding, LayerNorm, GELU, Dropout.
+
+Weights start as GPT-2 starts them: normal with std 0.02 (or the `std` given), biases at zero.
+"""
+
+from __future__ import annotations
+
+from kiln.nn import functional as F
+from kiln.nn.module import Module, Parameter
+from kiln.random import default_generator, randn
+from kiln.tensor import ones, zeros
+
+
+def _normal(shape, std, generator):
+    return Parameter(randn(*shape, generator=generator or default_generator("cpu")) * std)
+
+
+class Linear(Module):
+    """y = x @ weight^T + bias, weight of shape [out_features, in_features] as in PyTorch."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02,
+                 generator=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _normal((out_features, in_features), std, generator)
+        self.bias = Parameter(zeros(out_features)) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, std: float = 0.02, generator=None):
+        super().__init__()
+        self.weight = _normal((num_embeddings, embedding_dim), std, generator)
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(ones(dim))
+        self.bias = Parameter(zeros(dim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class GELU(Module):
+    def forward(self, x):
+        return F.gelu(x)
+
+
+class Dropout(Module):
+    def __init__(self, p: float = 0.0, generator=None):
+        super().__init__()
+        self.p = p
+        self.generator = generator
+
+    def forward(self, x):
+        return F.dropout(x, self.p, self.training, self.generator)

@@ -1,0 +1,9 @@
+"""Differentiable ops: each a forward and a backward that call named backend kernels.
+
+Where to find an op: `ops/<family>.py` holds its forward and backward, `backend/cpu/<family>.py`
+its reference kernel, `backend/cuda/kernels/<family>.cu` its GPU kernel, `tests/test_op_<family>.py`
+its tests. The user-facing functions are gathered in `kiln.nn.functional`.
+"""
+
+from kiln.ops import (attention, convert, cross_entropy, dropout, elementwise, embedding, gelu,  # noqa: F401
+                      layer_norm, matmul, reduce, shape, softmax)

@@ -1,0 +1,96 @@
+"""Matrix products: batched `matmul` and the `linear` layer (y = x @ W^T + b)."""
+
+from __future__ import annotations
+
+from kiln.autograd import Function
+from kiln.errors import DTypeError, ShapeError
+from kiln.ops.elementwise import unbroadcast
+
+
+def _swap(a):
+    return a.swapaxes(-1, -2)
+
+
+class MatMul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None,
+                              b if ctx.needs_input_grad[0] else None)
+        ctx.shapes = (a.shape, b.shape)
+        ctx.backend = a.backend
+        return a.backend.matmul(a.data, b.data)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved
+        na, nb = ctx.needs_input_grad
+        mm = ctx.backend.matmul
+        return (unbroadcast(mm(g, _swap(b)), ctx.shapes[0]) if na else None,
+                unbroadcast(mm(_swap(a), g), ctx.shapes[1]) if nb else None)
+
+
+def _check_float_pair(op, a, b):
+    if a.dtype is not b.dtype:
+        raise DTypeError(f"{op}: dtype mismatch {a.dtype} and {b.dtype}; convert one with .to() first")
+    if not a.dtype.is_floating:
+        raise DTypeError(f"{op} needs floating-point tensors, got {a.dtype}")
+
+
+def matmul(a, b):
+    """a @ b with batching and broadcasting over leading axes; 1-D operands as in NumPy."""
+    _check_float_pair("matmul", a, b)
+    if a.ndim == 0 or b.ndim == 0:
+        raise ShapeError("matmul needs tensors of at least one dimension; use * for scalars")
+    squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
+    if squeeze_a:
+        a = a.reshape(1, a.shape[0])
+    if squeeze_b:
+        b = b.reshape(b.shape[0], 1)
+    if a.shape[-1] != b.shape[-2]:
+        raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} do not fit "
+                         f"({a.shape[-1]} != {b.shape[-2]})")
+    out = MatMul.apply(a, b)
+    if squeeze_a:
+        out = out.reshape(out.shape[:-2] + out.shape[-1:])
+    if squeeze_b:
+        out = out.reshape(out.shape[:-1])
+    return out
+
+
+class Linear(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias=None):
+        ctx.has_bias = bias is not None
+        ctx.backend = x.backend
+        ctx.x_shape = x.shape
+        nx, nw = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if nw else None, weight if nx else None)
+        x2 = x.data.reshape(-1, x.shape[-1])
+        y = x.backend.linear_fwd(x2, weight.data, None if bias is None else bias.data)
+        return y.reshape(x.shape[:-1] + (weight.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved
+        need = ctx.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])
+        x2 = None if x is None else x.reshape(-1, x.shape[-1])
+        dx, dw, db = ctx.backend.linear_bwd(g2, x2, w, need[0], need[1],
+                                            ctx.has_bias and need[2])
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        return (dx, dw, db) if ctx.has_bias else (dx, dw)
+
+
+def linear(x, weight, bias=None):
+    """x[..., in] @ weight[out, in]^T + bias[out], the layout of torch.nn.Linear."""
+    _check_float_pair("linear", x, weight)
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ShapeError(f"linear: input of shape {x.shape} does not fit a weight of shape "
+                         f"{weight.shape} (expected input [..., {weight.shape[-1] if weight.ndim else '?'}])")
+    if bias is not None:
+        _check_float_pair("linear", x, bias)
+        if bias.shape != (weight.shape[0],):
+            raise ShapeError(f"linear: bias of shape {bias.shape} for a weight of shape {weight.shape}")
+        return Linear.apply(x, weight, bias)
+    return Linear.apply(x, weight)

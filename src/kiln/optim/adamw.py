@@ -1,0 +1,108 @@
+"""AdamW with decoupled weight decay, updating every parameter in one multi-tensor kernel call."""
+
+from __future__ import annotations
+
+from kiln.autograd import no_grad
+from kiln.errors import ConfigError, KilnError
+
+
+def gpt_param_groups(model, weight_decay: float):
+    """GPT-2's split: weight decay on 2-D weights (matmuls, embeddings), none on biases and norms."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+class AdamW:
+    """torch.optim.AdamW's arithmetic; `param_groups` hold params, lr and weight_decay."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1): got lr={lr}, "
+                              f"betas={betas}, eps={eps}")
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            groups = params
+        else:
+            groups = [{"params": params}]
+        self.param_groups = []
+        for g in groups:
+            group = {"lr": lr, "weight_decay": weight_decay, **g, "params": list(g["params"])}
+            self.param_groups.append(group)
+        self.betas = tuple(betas)
+        self.eps = eps
+        self.step_count = 0
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if len({id(p) for p in all_params}) != len(all_params):
+            raise KilnError("a parameter appears in more than one AdamW param group")
+        self._moments = None  # (exp_avgs, exp_avg_sqs), allocated at the first step
+
+    @property
+    def params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.data[...] = 0
+
+    def _allocate(self):
+        self._moments = ([p.backend.xp.zeros_like(p.data) for p in self.params],
+                         [p.backend.xp.zeros_like(p.data) for p in self.params])
+
+    @no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient."""
+        if self._moments is None:
+            self._allocate()
+        self.step_count += 1
+        exp_avgs, exp_avg_sqs = self._moments
+        i = 0
+        by_lr: dict = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    batch = by_lr.setdefault((g["lr"], p.device), ([], [], [], [], [], p.backend))
+                    batch[0].append(p.data)
+                    batch[1].append(p.grad.data)
+                    batch[2].append(exp_avgs[i])
+                    batch[3].append(exp_avg_sqs[i])
+                    batch[4].append(g["weight_decay"])
+                    p._version[0] += 1
+                i += 1
+        b1, b2 = self.betas
+        for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
+            backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, self.eps, self.step_count)
+
+    def state_dict(self) -> dict:
+        """Step count, hyperparameters and the moments (backend arrays), in parameter order."""
+        return {"step": self.step_count, "betas": list(self.betas), "eps": self.eps,
+                "groups": [{"lr": g["lr"], "weight_decay": g["weight_decay"], "size": len(g["params"])}
+                           for g in self.param_groups],
+                "exp_avg": None if self._moments is None else list(self._moments[0]),
+                "exp_avg_sq": None if self._moments is None else list(self._moments[1])}
+
+    def load_state_dict(self, state: dict) -> None:
+        sizes = [g["size"] for g in state["groups"]]
+        if sizes != [len(g["params"]) for g in self.param_groups]:
+            raise KilnError(f"optimizer state has param groups of sizes {sizes}, this optimizer "
+                            f"{[len(g['params']) for g in self.param_groups]}")
+        self.step_count = int(state["step"])
+        self.betas = tuple(state["betas"])
+        self.eps = float(state["eps"])
+        for g, s in zip(self.param_groups, state["groups"]):
+            g["lr"], g["weight_decay"] = s["lr"], s["weight_decay"]
+        if state["exp_avg"] is None:
+            self._moments = None
+            return
+        params = self.params
+        for name in ("exp_avg", "exp_avg_sq"):
+            for p, m in zip(params, state[name]):
+                if tuple(m.shape) != p.shape:
+                    raise KilnError(f"optimizer {name} of shape {tuple(m.shape)} for a parameter of shape {p.shape}")
+        self._moments = ([p.backend.asarray(m).astype(p.dtype.np) for p, m in zip(params, state["exp_avg"])],
+                         [p.backend.asarray(m).astype(p.dtype.np) for p, m in zip(params, state["exp_avg_sq"])])
