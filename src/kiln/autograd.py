@@ -102,10 +102,13 @@ class Function:
         out = cls.forward(ctx, *args, **kwargs)
         device = ctx.__dict__.get("out_device") or (tensors[0].device if tensors else None)
         version = tensors[0]._version if cls.is_view else None
+        # An output saved for backward (a Fresh) shares its version with the output tensor, so
+        # an in-place change of the output is caught too.
+        saved_boxes = {id(item[0]): item[1] for item in ctx._saved if item is not None}
         multi = isinstance(out, tuple)
         outs = out if multi else (out,)
         if not record:
-            wrapped = tuple(Tensor._wrap(o, device, version=version) for o in outs)
+            wrapped = tuple(Tensor._wrap(o, device, version=saved_boxes.get(id(o), version)) for o in outs)
         else:
             ctx.next_edges = tuple(_edge(t) for t in tensors)
             ctx.seq = next(_sequence)
@@ -114,7 +117,8 @@ class Function:
                 ctx.output_meta = [(o.shape, o.dtype) for o in outs]
                 ctx.output_backend = device.backend
             wrapped = tuple(Tensor._wrap(o, device, requires_grad=True, grad_fn=ctx, output_nr=i,
-                                         version=version) for i, o in enumerate(outs))
+                                         version=saved_boxes.get(id(o), version))
+                            for i, o in enumerate(outs))
         return wrapped if multi else wrapped[0]
 
     def save_for_backward(self, *tensors) -> None:

@@ -138,8 +138,10 @@ class GPT(Module):
 
     @no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator=None) -> Tensor:
-        """Sample max_new_tokens after the prompt idx [B, T]; the context is cropped to block_size."""
+                 generator=None, vocab_limit: int | None = None) -> Tensor:
+        """Sample max_new_tokens after the prompt idx [B, T]; the context is cropped to block_size.
+
+        vocab_limit keeps samples below the tokenizer's size (the model's vocabulary is padded)."""
         rng = generator if generator is not None else np.random.default_rng(0)
         out = idx.numpy().astype(np.int64)
         was_training = self.training
@@ -147,7 +149,7 @@ class GPT(Module):
         for _ in range(max_new_tokens):
             ctx = Tensor(out[:, -self.config.block_size:], device=idx.device)
             logits, _ = self(ctx)
-            last = logits[:, -1, :].numpy().astype(np.float64) / max(temperature, 1e-8)
+            last = logits[:, -1, :vocab_limit].numpy().astype(np.float64) / max(temperature, 1e-8)
             if top_k is not None:
                 kth = np.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
                 last = np.where(last < kth, -np.inf, last)

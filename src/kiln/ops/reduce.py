@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+
 from kiln.autograd import Function
 from kiln.backend import array_module
 from kiln.errors import ShapeError
@@ -14,9 +16,9 @@ def _axes(x, dim):
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     out = []
     for d in dims:
-        if not -x.ndim <= d < max(x.ndim, 1):
+        if not -x.ndim <= d < builtins.max(x.ndim, 1):
             raise ShapeError(f"dim {d} is out of range for a tensor of shape {x.shape}")
-        out.append(d % max(x.ndim, 1))
+        out.append(d % builtins.max(x.ndim, 1))
     return tuple(sorted(set(out)))
 
 

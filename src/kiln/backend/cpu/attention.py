@@ -9,33 +9,44 @@ import numpy as np
 from kiln.backend.cpu.compute import upcast
 
 
+def _c(a):
+    """Contiguous compute-dtype operand: NumPy's batched matmul is only fast on those."""
+    return np.ascontiguousarray(upcast(a))
+
+
 def _causal_scores(q, k, scale):
     t = q.shape[-2]
-    s = (upcast(q) @ np.swapaxes(upcast(k), -1, -2)) * scale
-    s[..., np.triu(np.ones((t, t), dtype=bool), 1)] = -np.inf
+    s = q @ np.swapaxes(k, -1, -2)
+    s *= scale
+    s += np.triu(np.full((t, t), -np.inf, dtype=s.dtype), 1)
     return s
 
 
 def attention_fwd(q, k, v, scale):
     """(out, lse) for q, k, v of shape [B, H, T, D], causal."""
-    s = _causal_scores(q, k, scale)
+    s = _causal_scores(_c(q), _c(k), scale)
     m = s.max(axis=-1, keepdims=True)
-    p = np.exp(s - m)
+    s -= m
+    p = np.exp(s, out=s)
     denom = p.sum(axis=-1, keepdims=True)
-    out = (p / denom) @ upcast(v)
+    p /= denom
+    out = p @ _c(v)
     lse = (m + np.log(denom))[..., 0]
     return out.astype(q.dtype, copy=False), lse
 
 
 def attention_bwd(grad, q, k, v, out, lse, scale):
     """(dq, dk, dv) from the saved inputs, output and log-sum-exp."""
-    g = upcast(grad)
-    p = np.exp(_causal_scores(q, k, scale) - lse[..., None])
+    g, qc, kc, vc = _c(grad), _c(q), _c(k), _c(v)
+    s = _causal_scores(qc, kc, scale)
+    s -= lse[..., None]
+    p = np.exp(s, out=s)
     dv = np.swapaxes(p, -1, -2) @ g
-    dp = g @ np.swapaxes(upcast(v), -1, -2)
-    delta = (g * upcast(out)).sum(axis=-1, keepdims=True)
-    ds = p * (dp - delta) * scale
-    dq = ds @ upcast(k)
-    dk = np.swapaxes(ds, -1, -2) @ upcast(q)
+    dp = g @ np.swapaxes(vc, -1, -2)
+    dp -= (g * upcast(out)).sum(axis=-1, keepdims=True)
+    dp *= p
+    dp *= scale
+    dq = dp @ kc
+    dk = np.swapaxes(dp, -1, -2) @ qc
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))

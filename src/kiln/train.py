@@ -1,0 +1,297 @@
+"""The one training loop, shared by `kiln train` and the Python API.
+
+    from kiln.train import TrainConfig, Trainer
+    summary = Trainer(TrainConfig(model="tiny", max_steps=200)).fit()
+
+A Trainer checks its whole configuration before it writes anything, then trains with AdamW
+(warm-up + cosine schedule, global-norm clipping, gradient accumulation), evaluates on the
+held-out split, and fills one run folder: config.json, metrics.jsonl, loss.png, model
+weights, the tokenizer and a sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import kiln
+from kiln.backend import cuda_is_available, device as parse_device
+from kiln.errors import ConfigError, DataError
+from kiln.nn import GPT, GPTConfig, preset
+from kiln.optim import AdamW, clip_grad_norm_, gpt_param_groups, warmup_cosine_lr
+
+PRECISIONS = ("fp32", "fp64")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"                      # a preset name (kiln.nn.PRESETS)
+    model_overrides: dict = field(default_factory=dict)
+    data: str | None = None                  # a folder made by `kiln prepare`; None: the bundled corpus
+    out_dir: str = "runs"
+    run_name: str | None = None
+    device: str = "auto"                     # auto: cuda when there is a GPU, else cpu
+    precision: str = "fp32"
+    batch_size: int = 16
+    seq_len: int | None = None               # default: the model's context
+    grad_accum: int = 1
+    max_steps: int = 600
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    eval_interval: int = 100
+    eval_iters: int = 20
+    seed: int = 1337
+    sample_tokens: int = 300
+    sample_prompt: str = "The "
+    progress: bool = True
+
+    def validate(self) -> None:
+        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
+            raise ConfigError(f"seq_len must be a positive integer, got {self.seq_len!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError(f"grad_clip and weight_decay must be >= 0, got {self.grad_clip}, {self.weight_decay}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
+        if self.sample_tokens < 0:
+            raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+
+
+def resolve_device(name: str):
+    if name == "auto":
+        return parse_device("cuda" if cuda_is_available() else "cpu")
+    dev = parse_device(name)
+    dev.backend  # raises a DeviceError naming what is missing for cuda
+    return dev
+
+
+def bundled_dataset() -> Path:
+    """The bundled corpus as byte-level shards, prepared once into kiln's cache folder."""
+    from kiln.data.corpus import BUNDLED_TEXT
+    from kiln.data.prepare import prepare
+    cache = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
+    digest = f"{BUNDLED_TEXT.stat().st_size}-{int(BUNDLED_TEXT.stat().st_mtime)}"
+    out = cache / f"bundled-bytes-{digest}"
+    if not (out / "meta.json").is_file():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        prepare([BUNDLED_TEXT], tmp, tokenizer="bytes", val_fraction=0.1, progress=False)
+        tmp.rename(out) if not out.exists() else None
+    return out
+
+
+def unigram_entropy(paths, vocab_size: int) -> float:
+    """Entropy (nats/token) of the token frequencies in these shards: the loss of a model that
+    ignores context, the bar a trained model must get well under."""
+    from kiln.data.shards import open_shard
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for path in paths:
+        counts += np.bincount(np.asarray(open_shard(path)), minlength=vocab_size)[:vocab_size]
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig):
+        from kiln.data.loader import ShardLoader
+        from kiln.data.tokenizer import load_tokenizer
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        data = Path(config.data) if config.data is not None else bundled_dataset()
+        if not data.exists():
+            raise DataError(f"data path {str(data)!r} does not exist; make one with `kiln prepare`")
+        self.data_dir = data
+        self.tokenizer = load_tokenizer(data)
+        overrides = dict(config.model_overrides)
+        meta_vocab = json.loads((data / "meta.json").read_text()).get("padded_vocab_size") \
+            if (data / "meta.json").is_file() else None
+        if meta_vocab and "vocab_size" not in overrides:
+            overrides["vocab_size"] = meta_vocab
+        self.model_config: GPTConfig = preset(config.model, **overrides)
+        self.seq_len = config.seq_len or self.model_config.block_size
+        if self.seq_len > self.model_config.block_size:
+            raise ConfigError(f"seq_len {self.seq_len} is longer than the model's context "
+                              f"{self.model_config.block_size}")
+        loader_args = dict(batch_size=config.batch_size, seq_len=self.seq_len, seed=config.seed)
+        self.train_loader = ShardLoader(data, "train", **loader_args)
+        self.val_loader = ShardLoader(data, "val", **loader_args)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
+                              f"model's vocab_size {self.model_config.vocab_size}")
+        kiln.manual_seed(config.seed)
+        self.model = GPT(self.model_config, generator=kiln.Generator(config.seed))
+        self.model.to(self.device, dtype="float64" if config.precision == "fp64" else "float32")
+        self.optimizer = AdamW(gpt_param_groups(self.model, config.weight_decay), lr=config.lr,
+                               betas=config.betas, eps=config.eps)
+        self.step = 0
+        self.run_dir: Path | None = None
+
+    # ------------------------------------------------------------------ steps
+    def lr_at(self, step: int) -> float:
+        c = self.config
+        return warmup_cosine_lr(step, c.lr, c.min_lr, c.warmup_steps, c.max_steps)
+
+    def _batch(self, loader):
+        x, y = loader.next_batch()
+        return kiln.tensor(x, device=self.device), kiln.tensor(y, device=self.device)
+
+    def train_step(self) -> dict:
+        """One optimizer step over grad_accum micro-batches; returns loss, lr and grad norm."""
+        c = self.config
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad()
+        total = 0.0
+        for _ in range(c.grad_accum):
+            x, y = self._batch(self.train_loader)
+            _, loss = self.model(x, y)
+            (loss / c.grad_accum).backward() if c.grad_accum > 1 else loss.backward()
+            total += loss.item() / c.grad_accum
+        norm = clip_grad_norm_(self.model.parameters(), c.grad_clip) if c.grad_clip > 0 else None
+        self.optimizer.step()
+        self.step += 1
+        return {"step": self.step, "loss": total, "lr": lr,
+                "grad_norm": None if norm is None else norm.item()}
+
+    @kiln.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over eval_iters validation batches, the same batches every time."""
+        self.model.eval()
+        self.val_loader.reset()
+        losses = []
+        for _ in range(self.config.eval_iters):
+            x, y = self._batch(self.val_loader)
+            losses.append(self.model(x, y)[1].item())
+        self.model.train()
+        return float(np.mean(losses))
+
+    def sample(self, prompt: str, tokens: int, seed: int = 0) -> str:
+        ids = self.tokenizer.encode(prompt) or [0]
+        out = self.model.generate(kiln.tensor([ids], device=self.device), tokens, temperature=0.8,
+                                  generator=np.random.default_rng(seed),
+                                  vocab_limit=self.tokenizer.vocab_size)
+        return self.tokenizer.decode(out.numpy()[0].tolist())
+
+    # ------------------------------------------------------------------ the run
+    def _make_run_dir(self) -> Path:
+        c = self.config
+        name = c.run_name or f"{c.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run = Path(c.out_dir) / name
+        n = 1
+        while run.exists():
+            n += 1
+            run = Path(c.out_dir) / f"{name}-{n}"
+        run.mkdir(parents=True)
+        return run
+
+    def fit(self) -> dict:
+        """Train for max_steps, evaluating every eval_interval steps; returns the run's summary."""
+        from tqdm import tqdm
+        c = self.config
+        self.run_dir = run = self._make_run_dir()
+        self.tokenizer.save(run)
+        (run / "config.json").write_text(json.dumps(
+            {"train": _jsonable(dataclasses.asdict(c)), "model": dataclasses.asdict(self.model_config),
+             "data": str(self.data_dir), "device": str(self.device), "kiln": kiln.__version__}, indent=2))
+        entropy = unigram_entropy(self.train_loader.paths, self.tokenizer.vocab_size)
+        tokens_per_step = c.batch_size * self.seq_len * c.grad_accum
+        history, evals = [], []
+        start = time.perf_counter()
+        with open(run / "metrics.jsonl", "w") as log, \
+                tqdm(total=c.max_steps, disable=not c.progress, unit="step", dynamic_ncols=True) as bar:
+            while self.step < c.max_steps:
+                t0 = time.perf_counter()
+                row = self.train_step()
+                dt = time.perf_counter() - t0
+                row["tokens_per_s"] = tokens_per_step / dt
+                row["elapsed_s"] = time.perf_counter() - start
+                if self.step % c.eval_interval == 0 or self.step == c.max_steps:
+                    row["val_loss"] = self.evaluate()
+                    evals.append((self.step, row["val_loss"]))
+                history.append(row)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}",
+                                val=f"{evals[-1][1]:.3f}" if evals else "-",
+                                tok_s=f"{row['tokens_per_s']:.0f}")
+        elapsed = time.perf_counter() - start
+        self.save_weights(run / "model.safetensors")
+        plot_losses(history, run / "loss.png", entropy)
+        text = self.sample(c.sample_prompt, c.sample_tokens) if c.sample_tokens else ""
+        (run / "sample.txt").write_text(text)
+        steady = [r["tokens_per_s"] for r in history[len(history) // 5:]] or [history[-1]["tokens_per_s"]]
+        summary = {"run_dir": str(run), "steps": self.step, "final_train_loss": history[-1]["loss"],
+                   "final_val_loss": evals[-1][1], "unigram_entropy": entropy,
+                   "tokens_per_s": float(np.median(steady)), "elapsed_s": elapsed, "sample": text}
+        (run / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def save_weights(self, path: Path) -> None:
+        from safetensors.numpy import save_file
+        save_file({name: np.ascontiguousarray(p.numpy()) for name, p in self.model.named_parameters()},
+                  str(path))
+
+
+def load_run(run_dir) -> tuple[GPT, object, dict]:
+    """(model, tokenizer, config) of a finished run folder, on the CPU."""
+    from safetensors.numpy import load_file
+    from kiln.data.tokenizer import load_tokenizer
+    run = Path(run_dir)
+    for name in ("config.json", "model.safetensors"):
+        if not (run / name).is_file():
+            raise DataError(f"{run} is not a finished kiln run: it has no {name}")
+    config = json.loads((run / "config.json").read_text())
+    model = GPT(GPTConfig(**config["model"]))
+    weights = load_file(str(run / "model.safetensors"))
+    model.to(dtype=next(iter(weights.values())).dtype)
+    model.load_state_dict(weights)
+    return model, load_tokenizer(run), config
+
+
+def plot_losses(history, path: Path, entropy: float | None = None) -> None:
+    """Train loss per step and validation loss per evaluation, to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], lw=1, label="train loss")
+    ev = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="validation loss")
+    if entropy is not None:
+        ax.axhline(entropy, color="gray", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+__all__ = ["TrainConfig", "Trainer", "load_run", "plot_losses", "unigram_entropy"]

@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+
+import kiln
+from kiln.errors import AutogradError
+from kiln.nn import functional as F
+
+
+def test_gradients_accumulate_across_uses_and_backward_calls():
+    x = kiln.randn(3, dtype="float64", requires_grad=True)
+    (x * x + x).sum().backward()
+    first = x.grad.numpy().copy()
+    np.testing.assert_allclose(first, 2 * x.numpy() + 1)
+    (x * 3.0).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), first + 3)
+
+
+def test_no_grad_records_nothing():
+    x = kiln.randn(3, requires_grad=True)
+    with kiln.no_grad():
+        y = x * 2
+    assert not y.requires_grad and y.grad_fn is None
+    assert (x * 2).requires_grad
+
+
+def test_second_backward_through_a_freed_graph_raises_unless_retained():
+    x = kiln.randn(4, dtype="float64", requires_grad=True)
+    y = (x.exp() * x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    np.testing.assert_allclose(x.grad.numpy(), 2 * (x.numpy() + 1) * np.exp(x.numpy()))
+    with pytest.raises(AutogradError, match="second time"):
+        y.backward()
+
+
+def test_in_place_change_of_a_saved_tensor_is_an_error():
+    w = kiln.randn(3, 3, requires_grad=True)
+    a = kiln.randn(3)
+    y = (w * a).sum()
+    a.mul_(2.0)
+    with pytest.raises(AutogradError, match="modified in place.*version 1.*version 0"):
+        y.backward()
+    x = kiln.randn(2, 3, requires_grad=True)
+    h = x.tanh()  # tanh saves its output
+    z = (h * 2.0).sum()
+    with kiln.no_grad():
+        h.detach()[0].add_(1.0)  # a view of that output, changed in place
+    with pytest.raises(AutogradError, match="Tanh was modified in place"):
+        z.backward()
+
+
+def test_in_place_on_a_leaf_that_requires_grad_needs_no_grad():
+    w = kiln.randn(3, requires_grad=True)
+    with pytest.raises(AutogradError, match="no_grad"):
+        w.add_(1.0)
+    with kiln.no_grad():
+        w.add_(1.0)
+
+
+def test_hooks_fire_once_per_backward_when_the_gradient_is_final():
+    a = kiln.randn(3, dtype="float64", requires_grad=True)
+    b = kiln.randn(3, dtype="float64", requires_grad=True)
+    seen = []
+    a.register_post_accumulate_grad_hook(lambda t: seen.append(("a", t.grad.numpy().copy())))
+    b.register_post_accumulate_grad_hook(lambda t: seen.append(("b", t.grad.numpy().copy())))
+    h = a * 2.0          # a is used twice: its hook must wait for both uses
+    y = (h * b).sum() + (a * a).sum()
+    y.backward()
+    assert sorted(name for name, _ in seen) == ["a", "b"]
+    final_a = dict(seen)["a"]
+    np.testing.assert_allclose(final_a, 2 * b.numpy() + 2 * a.numpy())
+
+
+def test_hooks_fire_in_reverse_order_of_use():
+    x = kiln.randn(2, 4)
+    layers = [kiln.randn(4, 4, requires_grad=True) for _ in range(3)]
+    order = []
+    for i, w in enumerate(layers):
+        w.register_post_accumulate_grad_hook(lambda t, i=i: order.append(i))
+    h = x
+    for w in layers:
+        h = F.matmul(h, w).tanh()
+    h.sum().backward()
+    assert order == [2, 1, 0]
+
+
+def test_a_branch_without_gradient_does_not_stall_the_rest():
+    x = kiln.randn(3, dtype="float64", requires_grad=True)
+    q, k = (x * 1.0).split(1)[0], (x * 2.0).split(1)[2]  # two outputs of split never used
+    (q * k).sum().backward()
+    g = np.zeros(3)
+    g[0] = 2 * x.numpy()[2]
+    g[2] = 2 * x.numpy()[0]
+    np.testing.assert_allclose(x.grad.numpy(), g)
+
+
+def test_detach_shares_storage_and_leaves_the_graph():
+    x = kiln.randn(3, requires_grad=True)
+    d = (x * 2).detach()
+    assert not d.requires_grad and d.grad_fn is None
+
+
+def test_backward_needs_a_gradient_for_non_scalars():
+    x = kiln.randn(3, requires_grad=True)
+    with pytest.raises(AutogradError, match="non-scalar"):
+        (x * 2).backward()

@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+
+import kiln
+from kiln.errors import ConfigError, KilnError, ShapeError
+from kiln.nn import GPT, Linear, preset
+
+
+def test_gpt_parameters_names_and_init():
+    cfg = preset("tiny", n_layer=2)
+    model = GPT(cfg, generator=kiln.Generator(0))
+    names = [n for n, _ in model.named_parameters()]
+    assert names[:2] == ["wte.weight", "wpe.weight"] and "lm_head.weight" not in names
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    std = np.std(model.h[0].attn.c_proj.weight.numpy())
+    assert abs(std - 0.02 / np.sqrt(4)) < 0.001
+    assert abs(np.std(model.h[0].mlp.c_fc.weight.numpy()) - 0.02) < 0.001
+    untied = GPT(preset("tiny", n_layer=2, tie_weights=False))
+    assert "lm_head.weight" in dict(untied.named_parameters())
+
+
+def test_presets_match_the_paper():
+    m = preset("gpt2-124m")
+    assert (m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd) == (50304, 1024, 12, 12, 768)
+    big = preset("gpt2-2.4b")
+    assert (big.n_layer, big.n_head, big.n_embd, big.n_embd // big.n_head) == (20, 24, 3072, 128)
+    with pytest.raises(ConfigError, match="unknown model preset 'gpt5'"):
+        preset("gpt5")
+    with pytest.raises(ConfigError, match="multiple of model.n_head"):
+        preset("tiny", n_head=3)
+
+
+def test_state_dict_round_trip_and_strict_checks():
+    a = GPT(preset("tiny", n_layer=1), generator=kiln.Generator(1))
+    b = GPT(preset("tiny", n_layer=1), generator=kiln.Generator(2))
+    b.load_state_dict(a.state_dict())
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=n)
+    sd = a.state_dict()
+    sd.pop("ln_f.bias")
+    sd["extra"] = kiln.zeros(1)
+    with pytest.raises(KilnError, match=r"missing keys \['ln_f.bias'\], unexpected keys \['extra'\]"):
+        b.load_state_dict(sd)
+    bad = a.state_dict()
+    bad["wte.weight"] = kiln.zeros(3, 3)
+    with pytest.raises(ShapeError, match="wte.weight"):
+        b.load_state_dict(bad)
+
+
+def test_train_eval_and_dtype_moves_keep_parameter_objects():
+    m = GPT(preset("tiny", n_layer=1, dropout=0.1))
+    params = list(m.parameters())
+    m.eval()
+    assert all(not mod.training for mod in m.modules())
+    m.to(dtype="float64")
+    assert all(p.dtype is kiln.float64 for p in m.parameters())
+    assert [id(p) for p in m.parameters()] == [id(p) for p in params]
+    x = kiln.tensor(np.random.default_rng().integers(0, 256, (2, 8)))
+    a, _ = m(x)
+    b, _ = m(x)
+    np.testing.assert_array_equal(a.numpy(), b.numpy())  # eval: dropout is off
+
+
+def test_linear_layout_is_pytorchs():
+    lin = Linear(3, 5)
+    assert lin.weight.shape == (5, 3) and lin.bias.shape == (5,)

@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+
+import kiln
+from kiln.errors import DTypeError, ShapeError
+from kiln.nn import functional as F
+from tests.gradcheck import gradcheck, randn
+
+BROADCAST_SHAPES = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((1,), (2, 3))]
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+@pytest.mark.parametrize("shapes", BROADCAST_SHAPES)
+def test_binary_ops_gradients_broadcast_both_ways(op, shapes):
+    a, b = randn(*shapes[0]), randn(*shapes[1])
+    if op == "div":
+        b = np.sign(b) * (np.abs(b) + 0.5)
+    fn = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y,
+          "mul": lambda x, y: x * y, "div": lambda x, y: x / y}[op]
+    gradcheck(fn, a, b)
+    gradcheck(lambda x, y: fn(y, x), a, b)
+
+
+@pytest.mark.parametrize("name", ["neg", "exp", "log", "sqrt", "tanh"])
+def test_unary_ops_gradients_and_values(name):
+    a = randn(3, 5)
+    if name in ("log", "sqrt"):
+        a = np.abs(a) + 0.3
+    fn = {"neg": lambda x: -x, "exp": lambda x: x.exp(), "log": lambda x: x.log(),
+          "sqrt": lambda x: x.sqrt(), "tanh": lambda x: x.tanh()}[name]
+    ref = {"neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh}[name]
+    np.testing.assert_allclose(fn(kiln.tensor(a)).numpy(), ref(a), rtol=1e-14)
+    gradcheck(fn, a)
+
+
+def test_pow_gradients_for_base_and_exponent():
+    a = np.abs(randn(2, 3)) + 0.5
+    e = randn(3)
+    gradcheck(lambda x, y: x ** y, a, e)
+    gradcheck(lambda x: x ** 3, a)
+    gradcheck(lambda x: 2.0 ** x, e)
+
+
+def test_scalars_keep_the_tensor_dtype():
+    x = kiln.randn(4, dtype="float32")
+    for y in (x + 1, 2.5 * x, 1 - x, x / 3, x ** 2):
+        assert y.dtype is kiln.float32
+
+
+def test_where_gradients():
+    rng = np.random.default_rng()
+    cond = rng.random((3, 4)) > 0.5
+    gradcheck(lambda a, b: F.where(kiln.tensor(cond), a, b), randn(3, 4), randn(4))
+
+
+def test_comparisons_give_bool_tensors_without_grad():
+    a = kiln.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    m = a > 1.5
+    assert m.dtype is kiln.bool_ and not m.requires_grad
+    assert m.tolist() == [False, True, True]
+
+
+def test_mismatched_dtypes_and_shapes_raise():
+    a = kiln.randn(3, dtype="float32")
+    with pytest.raises(DTypeError, match="float32 and kiln.float64"):
+        a + kiln.randn(3, dtype="float64")
+    with pytest.raises(ShapeError, match=r"\(3,\) and \(4,\)"):
+        a + kiln.randn(4)
+    with pytest.raises(DTypeError, match="float scalar"):
+        kiln.arange(3) * 0.5

@@ -1,0 +1,33 @@
+import numpy as np
+import pytest
+
+import kiln
+from kiln.errors import DTypeError, ShapeError
+from kiln.nn import functional as F
+from tests.gradcheck import gradcheck, randn
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (4, 2)), ((2, 1, 3, 4), (3, 4, 2)),
+                                   ((4,), (4, 3)), ((2, 3, 4), (4,))])
+def test_matmul_batched_broadcast_and_vectors(sa, sb):
+    a, b = randn(*sa), randn(*sb)
+    np.testing.assert_allclose((kiln.tensor(a) @ kiln.tensor(b)).numpy(), a @ b, rtol=1e-12)
+    gradcheck(lambda x, y: x @ y, a, b)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear(bias):
+    x, w, b = randn(2, 3, 4), randn(5, 4), randn(5)
+    ref = x @ w.T + (b if bias else 0)
+    args = (x, w, b) if bias else (x, w)
+    np.testing.assert_allclose(F.linear(*[kiln.tensor(a) for a in args]).numpy(), ref, rtol=1e-12)
+    gradcheck(lambda *t: F.linear(*t), *args)
+
+
+def test_matmul_errors():
+    with pytest.raises(ShapeError, match="do not fit"):
+        kiln.randn(2, 3) @ kiln.randn(4, 2)
+    with pytest.raises(DTypeError, match="mismatch"):
+        kiln.randn(2, 3) @ kiln.randn(3, 2, dtype="float64")
+    with pytest.raises(ShapeError, match="does not fit a weight"):
+        F.linear(kiln.randn(2, 3), kiln.randn(4, 5))

@@ -1,0 +1,77 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln.errors import ConfigError
+from kiln.nn import GPT, GPTConfig
+from kiln.optim import AdamW, clip_grad_norm_, gpt_param_groups, warmup_cosine_lr
+
+
+def test_schedule_warms_up_linearly_then_decays_by_cosine():
+    lrs = [warmup_cosine_lr(s, 1.0, 0.1, 10, 110) for s in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.1 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 0.9)
+    assert lrs[110] == lrs[119] == 0.1
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    with pytest.raises(ConfigError):
+        warmup_cosine_lr(0, 0.1, 1.0, 10, 100)
+
+
+def test_adamw_matches_torch_with_weight_decay_on_one_group_only():
+    rng = np.random.default_rng()
+    w0, b0 = rng.standard_normal((4, 3)), rng.standard_normal(3)
+    w, b = kiln.tensor(w0, requires_grad=True), kiln.tensor(b0, requires_grad=True)
+    tw, tb = torch.tensor(w0, requires_grad=True), torch.tensor(b0, requires_grad=True)
+    opt = AdamW([{"params": [w], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}],
+                lr=0.01, betas=(0.9, 0.95))
+    topt = torch.optim.AdamW([{"params": [tw], "weight_decay": 0.1}, {"params": [tb], "weight_decay": 0.0}],
+                             lr=0.01, betas=(0.9, 0.95))
+    for _ in range(10):
+        x = rng.standard_normal((5, 4))
+        opt.zero_grad()
+        ((kiln.tensor(x) @ w + b).tanh() ** 2).sum().backward()
+        opt.step()
+        topt.zero_grad()
+        ((torch.tensor(x) @ tw + tb).tanh() ** 2).sum().backward()
+        topt.step()
+    np.testing.assert_allclose(w.numpy(), tw.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(b.numpy(), tb.detach().numpy(), rtol=1e-12)
+
+
+def test_gpt_groups_decay_two_dimensional_weights_only():
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    decay, no_decay = gpt_param_groups(model, 0.1)
+    assert all(p.ndim == 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_clip_matches_torch(max_norm):
+    rng = np.random.default_rng()
+    arrays = [rng.standard_normal(s) for s in ((3, 4), (5,), (2, 2, 2))]
+    ps = [kiln.tensor(a, requires_grad=True) for a in arrays]
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+    for p, t, a in zip(ps, ts, arrays):
+        g = rng.standard_normal(a.shape)
+        p.grad, t.grad = kiln.tensor(g), torch.tensor(g)
+    norm = clip_grad_norm_(ps, max_norm)
+    tnorm = torch.nn.utils.clip_grad_norm_(ts, max_norm)
+    assert norm.item() == pytest.approx(tnorm.item(), rel=1e-12)
+    for p, t in zip(ps, ts):
+        np.testing.assert_allclose(p.grad.numpy(), t.grad.numpy(), rtol=1e-12)
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    cfg = GPTConfig(vocab_size=40, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    rng = np.random.default_rng()
+    idx, tgt = rng.integers(0, 40, (4, 8)), rng.integers(0, 40, (4, 8))
+    big = GPT(cfg, generator=kiln.Generator(3)).to(dtype="float64")
+    acc = GPT(cfg, generator=kiln.Generator(3)).to(dtype="float64")
+    big(kiln.tensor(idx), kiln.tensor(tgt))[1].backward()
+    for half in (slice(0, 2), slice(2, 4)):
+        (acc(kiln.tensor(idx[half]), kiln.tensor(tgt[half]))[1] / 2.0).backward()
+    for p, q in zip(big.parameters(), acc.parameters()):
+        np.testing.assert_allclose(q.grad.numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-14)

@@ -1,0 +1,76 @@
+"""The Trainer and the CLI, end to end on the bundled corpus (small settings, so CI stays quick)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kiln.cli import main
+from kiln.train import TrainConfig, Trainer, load_run
+
+SMALL = dict(model_overrides={"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64},
+             batch_size=8, device="cpu", progress=False, eval_iters=4, sample_tokens=40)
+
+
+def test_trainer_fills_the_run_folder(tmp_path):
+    cfg = TrainConfig(**SMALL, max_steps=12, eval_interval=6, out_dir=str(tmp_path), run_name="r")
+    s = Trainer(cfg).fit()
+    run = tmp_path / "r"
+    for name in ("config.json", "metrics.jsonl", "loss.png", "model.safetensors", "sample.txt",
+                 "summary.json", "bytes-tokenizer.json"):
+        assert (run / name).is_file(), name
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows if "val_loss" in r] == [6, 12]
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[0]["lr"] < rows[-1]["lr"] or cfg.warmup_steps >= 12
+    assert s["final_val_loss"] == rows[-1]["val_loss"]
+    assert 3.0 < s["unigram_entropy"] < 5.0  # English text, bytes, in nats
+    model, tok, _ = load_run(run)
+    assert model.config.n_layer == 2 and tok.decode(tok.encode("abc")) == "abc"
+
+
+def test_training_gets_well_under_the_unigram_entropy(tmp_path):
+    s = Trainer(TrainConfig(**{**SMALL, "batch_size": 16}, max_steps=150, eval_interval=150, lr=3e-3,
+                            warmup_steps=10, out_dir=str(tmp_path))).fit()
+    assert s["final_val_loss"] < s["unigram_entropy"] - 0.5, s
+
+
+def test_same_seed_same_losses(tmp_path):
+    runs = [Trainer(TrainConfig(**SMALL, max_steps=4, eval_interval=4, out_dir=str(tmp_path))).fit()
+            for _ in range(2)]
+    a, b = ([json.loads(x)["loss"] for x in open(f"{r['run_dir']}/metrics.jsonl")] for r in runs)
+    assert a == b
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--config", "gpt5"], "unknown model preset 'gpt5'"),
+    (["train", "--data", "/no/such/dir"], "/no/such/dir"),
+    (["train", "--steps", "0"], "max_steps must be a positive integer"),
+    (["train", "--set", "n_head=5"], "multiple of model.n_head"),
+    (["train", "--device", "tpu"], "unknown device 'tpu'"),
+    (["train", "--precision", "fp8"], "unknown precision 'fp8'"),
+    (["sample", "/no/such/run"], "not a finished kiln run"),
+])
+def test_bad_input_exits_2_with_a_message_and_writes_nothing(tmp_path, capsys, argv, message):
+    out = tmp_path / "runs"
+    code = main(argv + (["--out", str(out)] if argv[0] == "train" else []))
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_cli_train_then_sample(tmp_path):
+    args = ["train", "--device", "cpu", "--steps", "3", "--eval-interval", "3", "--batch-size", "4",
+            "--set", "n_layer=1", "--set", "n_embd=32", "--no-progress", "--out", str(tmp_path),
+            "--name", "cli"]
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "unigram entropy" in done.stdout and "validation loss" in done.stdout
+    sample = subprocess.run([sys.executable, "-m", "kiln.cli", "sample", str(tmp_path / "cli"),
+                             "--prompt", "The if", "--tokens", "20"], capture_output=True, text=True)
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("The if") and len(sample.stdout) > 10
