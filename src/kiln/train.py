@@ -89,7 +89,7 @@ def bundled_dataset() -> Path:
     from kiln.data.corpus import BUNDLED_TEXT
     from kiln.data.prepare import prepare
     cache = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
-    digest = f"{BUNDLED_TEXT.stat().st_size}-{int(BUNDLED_TEXT.stat().st_mtime)}"
+    digest = f"{kiln.__version__}-{BUNDLED_TEXT.stat().st_size}-{int(BUNDLED_TEXT.stat().st_mtime)}"
     out = cache / f"bundled-bytes-{digest}"
     if not (out / "meta.json").is_file():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
