@@ -64,3 +64,22 @@ def test_train_eval_and_dtype_moves_keep_parameter_objects():
 def test_linear_layout_is_pytorchs():
     lin = Linear(3, 5)
     assert lin.weight.shape == (5, 3) and lin.bias.shape == (5,)
+
+
+def test_bf16_compute_over_fp32_weights_tracks_fp32():
+    cfg = preset("tiny", n_layer=2, vocab_size=64, block_size=16)
+    model = GPT(cfg, generator=kiln.Generator(5))
+    rng = np.random.default_rng()
+    x, y = (kiln.tensor(rng.integers(0, 64, (2, 16))) for _ in range(2))
+    _, ref = model(x, y)
+    ref.backward()
+    ref_grads = [p.grad.numpy().copy() for p in model.parameters()]
+    model.zero_grad()
+    model.compute_dtype = kiln.bfloat16
+    logits, loss = model(x, y)
+    loss.backward()
+    assert logits.dtype is kiln.bfloat16 and loss.dtype is kiln.float32
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-2
+    for p, g in zip(model.parameters(), ref_grads):
+        assert p.grad.dtype is kiln.float32
+        assert np.linalg.norm(p.grad.numpy() - g) <= 0.1 * np.linalg.norm(g) + 1e-6

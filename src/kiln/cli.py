@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", dest="model", help="model preset: tiny, gpt2-124m, gpt2-2.4b")
     t.add_argument("--data", help="a folder made by `kiln prepare` (default: the bundled corpus)")
     t.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
-    t.add_argument("--precision", help="fp32 (default) or fp64")
+    t.add_argument("--precision", help="fp32 (default), tf32 (GPU), bf16 or fp64")
     t.add_argument("--steps", dest="max_steps", type=int)
     t.add_argument("--batch-size", type=int)
     t.add_argument("--seq-len", type=int)

@@ -26,7 +26,7 @@ from kiln.errors import ConfigError, DataError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, clip_grad_norm_, gpt_param_groups, warmup_cosine_lr
 
-PRECISIONS = ("fp32", "fp64")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 
 
 @dataclass
@@ -82,6 +82,18 @@ def resolve_device(name: str):
     dev = parse_device(name)
     dev.backend  # raises a DeviceError naming what is missing for cuda
     return dev
+
+
+def apply_precision(model, precision: str, device) -> None:
+    """fp32: strict fp32 GEMMs; tf32: fp32 tensors, tf32 tensor-core GEMMs (GPU only); bf16: bf16
+    activations and GEMM operands over fp32 master weights and optimizer state; fp64: float64."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if precision == "tf32" and device.type != "cuda":
+        raise ConfigError("precision tf32 is a GPU mode (tensor-core GEMMs); on the CPU use fp32")
+    model.compute_dtype = kiln.bfloat16 if precision == "bf16" else None
+    if device.type == "cuda":
+        device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
 
 
 def bundled_dataset() -> Path:
@@ -140,6 +152,7 @@ class Trainer:
         kiln.manual_seed(config.seed)
         self.model = GPT(self.model_config, generator=kiln.Generator(config.seed))
         self.model.to(self.device, dtype="float64" if config.precision == "fp64" else "float32")
+        apply_precision(self.model, config.precision, self.device)
         self.optimizer = AdamW(gpt_param_groups(self.model, config.weight_decay), lr=config.lr,
                                betas=config.betas, eps=config.eps)
         self.step = 0

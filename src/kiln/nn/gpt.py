@@ -11,7 +11,7 @@ import numpy as np
 from kiln.autograd import no_grad
 from kiln.errors import ConfigError
 from kiln.nn import functional as F
-from kiln.nn.layers import Dropout, Embedding, GELU, LayerNorm, Linear
+from kiln.nn.layers import Dropout, Embedding, GELU, LayerNorm, Linear, as_dtype_of
 from kiln.nn.module import Module, ModuleList
 from kiln.tensor import Tensor, arange
 
@@ -112,6 +112,7 @@ class GPT(Module):
     def __init__(self, cfg: GPTConfig, generator=None):
         super().__init__()
         self.config = cfg
+        self.compute_dtype = None  # e.g. kiln.bfloat16: activations in bf16 over fp32 weights
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, generator=generator)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, generator=generator)
         self.drop = Dropout(cfg.dropout)
@@ -127,12 +128,15 @@ class GPT(Module):
             raise ConfigError(f"sequence of length {t} is longer than the model's context "
                               f"({self.config.block_size})")
         pos = arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx) + self.wpe(pos)
+        if self.compute_dtype is not None and x.dtype is not self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        x = self.drop(x)
         for block in self.h:
             x = block(x)
         x = self.ln_f(x)
         head = self.wte.weight if self.config.tie_weights else self.lm_head.weight
-        logits = F.linear(x, head)
+        logits = F.linear(x, as_dtype_of(head, x))
         loss = None if targets is None else F.cross_entropy(logits, targets)
         return logits, loss
 

@@ -1,6 +1,8 @@
 """The layers a GPT is made of: Linear, Embedding, LayerNorm, GELU, Dropout.
 
 Weights start as GPT-2 starts them: normal with std 0.02 (or the `std` given), biases at zero.
+Weights follow the activations' dtype: with fp32 master weights and bf16 activations, a layer
+uses a bf16 copy of its weights (a cast op, so the gradient flows back to the fp32 weight).
 """
 
 from __future__ import annotations
@@ -9,6 +11,13 @@ from kiln.nn import functional as F
 from kiln.nn.module import Module, Parameter
 from kiln.random import default_generator, randn
 from kiln.tensor import ones, zeros
+
+
+def as_dtype_of(weight, x):
+    """weight in x's floating dtype (itself when it already is; None stays None)."""
+    if weight is None or weight.dtype is x.dtype:
+        return weight
+    return weight.to(x.dtype)
 
 
 def _normal(shape, std, generator):
@@ -26,7 +35,7 @@ class Linear(Module):
         self.bias = Parameter(zeros(out_features)) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x))
 
 
 class Embedding(Module):
@@ -46,7 +55,7 @@ class LayerNorm(Module):
         self.bias = Parameter(zeros(dim)) if bias else None
 
     def forward(self, x):
-        return F.layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x), self.eps)
 
 
 class GELU(Module):

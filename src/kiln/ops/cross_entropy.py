@@ -12,7 +12,7 @@ class CrossEntropy(Function):
         loss, lse = logits.backend.cross_entropy_fwd(logits.data, targets.data, ignore_index)
         ctx.save_for_backward(logits)
         ctx.meta = (targets.data, lse, ignore_index, logits.backend)
-        return loss.astype(logits.dtype.np)
+        return loss  # float32 (float64 for float64 logits), whatever the logits dtype
 
     @staticmethod
     def backward(ctx, g):
