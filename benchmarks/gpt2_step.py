@@ -53,7 +53,9 @@ def run_kiln(args, batches):
     backend = dev.backend
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
     losses, times = [], []
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if i == 1:
+            backend.end_warmup()  # the paper's allocator: learn the rounding, return step 0's cache
         t0 = time.perf_counter()
         opt.zero_grad()
         _, loss = model(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev))
@@ -63,7 +65,7 @@ def run_kiln(args, batches):
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
     stats = backend.memory_stats()
-    return losses, times, stats["peak_allocated"], stats
+    return losses, times, stats["peak_allocated_bytes"], stats
 
 
 def run_torch(args, batches, compiled: bool):

@@ -19,7 +19,7 @@ def torch_params(model, dtype=torch.float64):
 def torch_gpt_forward(params, cfg, idx, targets):
     """(logits, loss) of kiln's GPT with parameters `params`, in PyTorch."""
     b, t = idx.shape
-    x = F.embedding(idx, params["wte.weight"]) + F.embedding(torch.arange(t), params["wpe.weight"])
+    x = F.embedding(idx, params["wte.weight"]) + F.embedding(torch.arange(t, device=idx.device), params["wpe.weight"])
     h, c = cfg.n_head, cfg.n_embd
     for i in range(cfg.n_layer):
         p = lambda n: params.get(f"h.{i}.{n}")  # noqa: E731
