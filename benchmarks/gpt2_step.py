@@ -159,8 +159,8 @@ def main() -> None:
     import torch
     date = time.strftime("%Y-%m-%d")
     record = {"benchmark": "gpt2_step", "date": date,
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip() or os.environ.get("KILN_COMMIT", ""),
+              "commit": os.environ.get("KILN_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
               "command": " ".join(["python", *sys.argv]), "device": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "batch": [args.batch_size, args.seq_len],
               "n_layer": args.n_layer, "steps": args.steps, "warmup": args.warmup, "rows": rows}

@@ -44,6 +44,7 @@ class ByteTokenizer:
     vocab_size = 257
     eot_id = 256
     kind = "bytes"
+    source = "utf-8 bytes"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -54,6 +55,7 @@ class ByteTokenizer:
         return b"".join(eot if i == self.eot_id else bytes((i,)) for i in ids).decode("utf-8", "replace")
 
     def save(self, directory) -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
         path = Path(directory) / BYTES_FILE
         path.write_text(json.dumps({"kind": self.kind, "vocab_size": self.vocab_size, "eot": EOT}) + "\n")
         return path
@@ -138,7 +140,7 @@ class BPETokenizer:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         hf.train_from_iterator(texts, trainer)
-        return cls(hf, f"bpe trained to {vocab_size} ids")
+        return cls(hf, f"trained to {vocab_size} ids")
 
     @classmethod
     def from_file(cls, path) -> "BPETokenizer":
@@ -182,6 +184,7 @@ class BPETokenizer:
         return self._hf.decode(_check_ids(ids, self.vocab_size), skip_special_tokens=False)
 
     def save(self, directory) -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
         path = Path(directory) / BPE_FILE
         self._hf.save(str(path))
         return path
