@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", dest="run_name", help="the run folder's name")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model setting")
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    t.add_argument("--profile", action="store_true", default=None,
+                   help="profile steps 3-5: a Chrome trace (trace.json) and a table of kernels")
     t.set_defaults(run=_train)
 
     s = sub.add_parser("sample", help="generate text from a trained run")

@@ -55,6 +55,7 @@ class TrainConfig:
     sample_tokens: int = 300
     sample_prompt: str = "The "
     progress: bool = True
+    profile: bool = False                    # profile steps 3-5: trace.json + profile.txt in the run
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
@@ -234,7 +235,10 @@ class Trainer:
                 tqdm(total=c.max_steps, disable=not c.progress, unit="step", dynamic_ncols=True) as bar:
             while self.step < c.max_steps:
                 t0 = time.perf_counter()
-                row = self.train_step()
+                if c.profile and self.step == min(2, c.max_steps - 1):
+                    row = self._profiled_steps(min(3, c.max_steps - self.step), run)
+                else:
+                    row = self.train_step()
                 dt = time.perf_counter() - t0
                 row["tokens_per_s"] = tokens_per_step / dt
                 row["elapsed_s"] = time.perf_counter() - start
@@ -259,6 +263,18 @@ class Trainer:
                    "tokens_per_s": float(np.median(steady)), "elapsed_s": elapsed, "sample": text}
         (run / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _profiled_steps(self, n: int, run: Path) -> dict:
+        """n steps under the profiler; writes trace.json (Perfetto) and profile.txt; the last row."""
+        from kiln.profiler import Profiler
+        with Profiler(self.device) as prof:
+            for _ in range(n):
+                row = self.train_step()
+        prof.export_chrome_trace(run / "trace.json")
+        table = f"{n} steps from step {self.step - n + 1}\n" + prof.table()
+        (run / "profile.txt").write_text(table + "\n")
+        print(table, flush=True)
+        return row
 
     def save_weights(self, path: Path) -> None:
         from safetensors.numpy import save_file
