@@ -1,0 +1,53 @@
+"""Fused softmax cross-entropy: forward and backward without a host sync.
+
+The number of valid targets never leaves the device: the forward divides by it in
+`cross_entropy_mean`, the backward recounts it (a tiny kernel over N targets) and scales by
+grad / count. Targets outside [0, V) give a NaN loss rather than a device-side range check.
+"""
+
+from __future__ import annotations
+
+from kiln.backend.cpu import cross_entropy as cpu
+from kiln.backend.cuda import device as rt
+from kiln.backend.cuda.compiler import get_kernel, i32, i64
+from kiln.backend.cuda.launch import as_index, contiguous, cpu_fallback, ctype, idx_ctype
+
+
+def cross_entropy_fwd(logits, targets, ignore_index):
+    """(loss as a 0-d float32 array, lse[N] float32) for logits[N, V] and integer targets[N]."""
+    t = ctype(logits.dtype)
+    if t is None:
+        return cpu_fallback(cpu.cross_entropy_fwd, logits, targets, ignore_index)
+    cp = rt.cupy()
+    logits = contiguous(logits)
+    targets = as_index(targets)
+    n, v = logits.shape
+    lse = cp.empty((n,), dtype=cp.float32)
+    rows = cp.empty((2 * n,), dtype=cp.float32)
+    loss = cp.empty((), dtype=cp.float32)
+    it = idx_ctype(targets.dtype)
+    get_kernel("cross_entropy.cu", f"cross_entropy_fwd<{t}, {it}>")(
+        (n,), (512,), (logits, targets, lse, rows, i32(n), i32(v), i64(ignore_index)))
+    get_kernel("cross_entropy.cu", "cross_entropy_mean")((1,), (1024,), (rows, i32(n), loss))
+    return loss, lse
+
+
+def cross_entropy_bwd(grad, logits, targets, lse, ignore_index):
+    """dlogits = (softmax(logits) - onehot(targets)) * grad / count, zero on ignored rows."""
+    t = ctype(logits.dtype)
+    if t is None:
+        return cpu_fallback(cpu.cross_entropy_bwd, grad, logits, targets, lse, ignore_index)
+    cp = rt.cupy()
+    logits = contiguous(logits)
+    targets = as_index(targets)
+    lse = contiguous(lse.astype(cp.float32, copy=False))
+    n, v = logits.shape
+    g = cp.asarray(grad, dtype=cp.float32).reshape(())
+    scale = cp.empty((), dtype=cp.float32)
+    it = idx_ctype(targets.dtype)
+    get_kernel("cross_entropy.cu", f"cross_entropy_count<{it}>")(
+        (1,), (1024,), (targets, i32(n), i64(ignore_index), g, scale))
+    dlogits = cp.empty_like(logits)
+    get_kernel("cross_entropy.cu", f"cross_entropy_bwd<{t}, {it}>")(
+        (n,), (512,), (logits, targets, lse, scale, dlogits, i32(v), i64(ignore_index)))
+    return dlogits

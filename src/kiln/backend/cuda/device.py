@@ -1,0 +1,87 @@
+"""The GPU kiln runs on: availability check, kiln's own stream, the device's architecture.
+
+CuPy is imported lazily, so `import kiln.backend.cuda` works on a machine with CuPy but no
+driver (or no CuPy at all); only `ensure_available()` and the first device call fail there.
+All work runs on one non-blocking stream per device, created at first use and made CuPy's
+current stream, so CuPy's own elementwise ops, kiln's kernels and cuBLASLt are ordered on it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from kiln.errors import DeviceError
+
+_streams: dict = {}
+_local = threading.local()
+_lock = threading.Lock()
+
+
+def cupy():
+    """The cupy module (imported at first use)."""
+    import cupy as cp
+    return cp
+
+
+def ensure_available() -> None:
+    """Raise DeviceError unless CuPy imports and a CUDA device answers."""
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise DeviceError("the cuda backend needs CuPy: pip install 'kiln[cuda]' (cupy-cuda13x); "
+                          f"importing cupy failed: {e}") from e
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver, or a CuPy built for another CUDA
+        raise DeviceError(f"no usable CUDA device: {e}") from e
+    if n < 1:
+        raise DeviceError("no CUDA device found (cudaGetDeviceCount returned 0)")
+
+
+def device_id() -> int:
+    return cupy().cuda.runtime.getDevice()
+
+
+def stream():
+    """kiln's stream on the current device, made CuPy's current stream in this thread."""
+    dev = device_id()
+    s = _streams.get(dev)
+    if s is None:
+        with _lock:
+            s = _streams.get(dev)
+            if s is None:
+                s = _first_use(dev)
+    made = getattr(_local, "made_current", None)
+    if made is None:
+        made = _local.made_current = set()
+    if dev not in made:
+        s.use()
+        made.add(dev)
+    return s
+
+
+def _first_use(dev: int):
+    cp = cupy()
+    if os.environ.get("KILN_CUDA_ALLOCATOR", "kiln") != "cupy":
+        from kiln.backend.cuda import allocator
+        allocator.install()
+    s = cp.cuda.Stream(non_blocking=True)
+    _streams[dev] = s
+    return s
+
+
+def arch() -> str:
+    """The NVRTC target of the current device: sm_90a on Hopper (wgmma-capable), else sm_XY."""
+    cc = cupy().cuda.Device().compute_capability
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
+def synchronize() -> None:
+    """Wait until everything queued on kiln's stream has run."""
+    stream().synchronize()
+
+
+def ptr(a) -> int:
+    """The device address of a CuPy array's first element."""
+    return a.data.ptr

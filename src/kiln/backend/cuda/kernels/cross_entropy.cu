@@ -1,0 +1,127 @@
+// Softmax cross-entropy fused with the softmax, from logits[N, V] read in their own dtype.
+//
+// Forward: one block per row, one online (max, sum) pass over the logits gives the row's
+// log-sum-exp; the row's loss is lse - logit[target] (0 for ignore_index, NaN for a target
+// outside [0, V): no range check or host sync on the device). `cross_entropy_mean` then sums
+// losses and counts valid rows in a fixed order, on the device.
+// Backward: `cross_entropy_count` turns the upstream grad into grad / count on the device,
+// and one pass per row writes dlogits = (exp(x - lse) - onehot) * grad / count.
+#include "common.cuh"
+
+using namespace kiln;
+
+constexpr int kCeThreads = 512;
+
+template <typename T, typename I>
+__global__ void __launch_bounds__(kCeThreads) cross_entropy_fwd(const T* __restrict__ logits,
+                                                                const I* __restrict__ targets,
+                                                                float* __restrict__ lse_out,
+                                                                float* __restrict__ rows, int n, int V,
+                                                                long long ignore_index) {
+    constexpr int P = Pack<T>::N;
+    const int row = blockIdx.x;
+    const T* xr = logits + (long long)row * V;
+    const bool vec = V % P == 0 && aligned16(logits);
+    MaxSum st{-KILN_INF, 0.0f};
+    if (vec) {
+        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
+            const Pack<T> a = load_pack(xr + p * P);
+            float v[P];
+            float pm = -KILN_INF;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                v[j] = to_float(a.v[j]);
+                pm = fmaxf(pm, v[j]);
+            }
+            const float m = fmaxf(st.m, pm);
+            if (m == -KILN_INF) continue;
+            float s = st.s * expf(st.m - m);
+#pragma unroll
+            for (int j = 0; j < P; ++j) s += expf(v[j] - m);
+            st = {m, s};
+        }
+    } else {
+        for (int c = threadIdx.x; c < V; c += kCeThreads) {
+            const float v = to_float(xr[c]);
+            const float m = fmaxf(st.m, v);
+            if (m == -KILN_INF) continue;
+            st = {m, st.s * expf(st.m - m) + expf(v - m)};
+        }
+    }
+    __shared__ float sm[kCeThreads / 32], ss[kCeThreads / 32];
+    st = block_max_sum<kCeThreads>(st, sm, ss);
+    if (threadIdx.x == 0) {
+        const float lse = st.m + logf(st.s);
+        lse_out[row] = lse;
+        const long long t = (long long)targets[row];
+        float loss = 0.0f, valid = 0.0f;
+        if (t != ignore_index) {
+            valid = 1.0f;
+            loss = (t >= 0 && t < V) ? lse - to_float(xr[t]) : KILN_NAN;
+        }
+        rows[row] = loss;
+        rows[n + row] = valid;
+    }
+}
+
+// out[0] = sum(rows[0:n]) / sum(rows[n:2n]) with one block of 1024 threads, fixed order.
+__global__ void __launch_bounds__(1024) cross_entropy_mean(const float* __restrict__ rows, int n,
+                                                           float* __restrict__ out) {
+    float s = 0.0f, c = 0.0f;
+    for (int i = threadIdx.x; i < n; i += 1024) {
+        s += rows[i];
+        c += rows[n + i];
+    }
+    __shared__ float scratch[32];
+    s = block_sum<1024>(s, scratch);
+    c = block_sum<1024>(c, scratch);
+    if (threadIdx.x == 0) out[0] = s / c;
+}
+
+// scale[0] = grad[0] / (number of targets != ignore_index), one block of 1024 threads.
+template <typename I>
+__global__ void __launch_bounds__(1024) cross_entropy_count(const I* __restrict__ targets, int n,
+                                                            long long ignore_index,
+                                                            const float* __restrict__ grad,
+                                                            float* __restrict__ scale) {
+    float c = 0.0f;
+    for (int i = threadIdx.x; i < n; i += 1024) c += ((long long)targets[i] != ignore_index) ? 1.0f : 0.0f;
+    __shared__ float scratch[32];
+    c = block_sum<1024>(c, scratch);
+    if (threadIdx.x == 0) scale[0] = grad[0] / c;
+}
+
+template <typename T, typename I>
+__global__ void __launch_bounds__(kCeThreads) cross_entropy_bwd(const T* __restrict__ logits,
+                                                                const I* __restrict__ targets,
+                                                                const float* __restrict__ lse,
+                                                                const float* __restrict__ scale,
+                                                                T* __restrict__ dlogits, int V,
+                                                                long long ignore_index) {
+    constexpr int P = Pack<T>::N;
+    const int row = blockIdx.x;
+    const long long off = (long long)row * V;
+    const long long t = (long long)targets[row];
+    const bool ignored = t == ignore_index;
+    const float l = lse[row];
+    const float sc = ignored ? 0.0f : scale[0];
+    const bool vec = V % P == 0 && aligned16(logits) && aligned16(dlogits);
+    if (vec) {
+        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
+            const Pack<T> a = load_pack(logits + off + p * P);
+            Pack<T> o;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const int c = p * P + j;
+                const float prob = expf(to_float(a.v[j]) - l) - (c == t ? 1.0f : 0.0f);
+                o.v[j] = from_float<T>(ignored ? 0.0f : prob * sc);
+            }
+            store_pack(dlogits + off + p * P, o);
+        }
+    } else {
+        for (int c = threadIdx.x; c < V; c += kCeThreads) {
+            const float prob = expf(to_float(logits[off + c]) - l) - (c == t ? 1.0f : 0.0f);
+            dlogits[off + c] = from_float<T>(ignored ? 0.0f : prob * sc);
+        }
+    }
+}

@@ -1,0 +1,249 @@
+// LayerNorm over the last axis of x[N, C]: forward (y, mean, rstd) and the fused backward.
+// weight and bias are always real pointers (the host passes ones / zeros for a missing one),
+// so the row loops carry no branches.
+//
+// `_reg` kernels are specialised on C (a multiple of 32 lanes x one 16-byte pack): one warp
+// per row holds the row in registers, so x is read once, and the backward keeps per-lane
+// dweight/dbias partial sums across the rows a block visits (no atomics: each block writes
+// one partial row, and `layer_norm_dwdb_finish` sums the partials in a fixed order, so the
+// result is deterministic). `_any` kernels take any C and re-read the row from global/L2.
+#include "common.cuh"
+
+using namespace kiln;
+
+constexpr int kLnWarps = 8;  // rows per block in the warp-per-row kernels
+
+template <typename T, int C>
+__global__ void __launch_bounds__(256) layer_norm_fwd_reg(const T* __restrict__ x, const T* __restrict__ w,
+                                                          const T* __restrict__ b, T* __restrict__ y,
+                                                          float* __restrict__ mean, float* __restrict__ rstd,
+                                                          int n, float eps) {
+    constexpr int V = Pack<T>::N;
+    constexpr int P = C / (32 * V);
+    static_assert(C % (32 * V) == 0, "C must be a multiple of 32 packs");
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const T* xr = x + (long long)row * C;
+    float v[P][V];
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const Pack<T> a = load_pack(xr + (p * 32 + lane) * V);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            v[p][j] = to_float(a.v[j]);
+            s += v[p][j];
+        }
+    }
+    const float mu = warp_sum(s) / C;
+    float q = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float d = v[p][j] - mu;
+            q += d * d;
+        }
+    const float r = rsqrtf(warp_sum(q) / C + eps);
+    T* yr = y + (long long)row * C;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const int c0 = (p * 32 + lane) * V;
+        Pack<T> o;
+        const Pack<T> wp = load_pack(w + c0);
+        const Pack<T> bp = load_pack(b + c0);
+#pragma unroll
+        for (int j = 0; j < V; ++j) o.v[j] = from_float<T>((v[p][j] - mu) * r * to_float(wp.v[j]) + to_float(bp.v[j]));
+        store_pack(yr + c0, o);
+    }
+    if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) layer_norm_fwd_any(const T* __restrict__ x, const T* __restrict__ w,
+                                                          const T* __restrict__ b, T* __restrict__ y,
+                                                          float* __restrict__ mean, float* __restrict__ rstd,
+                                                          int n, int C, float eps) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const T* xr = x + (long long)row * C;
+    float s = 0.0f;
+    for (int c = lane; c < C; c += 32) s += to_float(xr[c]);
+    const float mu = warp_sum(s) / C;
+    float q = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        const float d = to_float(xr[c]) - mu;
+        q += d * d;
+    }
+    const float r = rsqrtf(warp_sum(q) / C + eps);
+    T* yr = y + (long long)row * C;
+    for (int c = lane; c < C; c += 32) {
+        yr[c] = from_float<T>((to_float(xr[c]) - mu) * r * to_float(w[c]) + to_float(b[c]));
+    }
+    if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+// dx for the rows of this block's warps, and this block's partial dweight/dbias sums in
+// partial[blockIdx.x][C] and partial[gridDim.x + blockIdx.x][C] (fp32).
+template <typename T, int C>
+__global__ void __launch_bounds__(256) layer_norm_bwd_reg(const T* __restrict__ g, const T* __restrict__ x,
+                                                          const T* __restrict__ w,
+                                                          const float* __restrict__ mean,
+                                                          const float* __restrict__ rstd, T* __restrict__ dx,
+                                                          float* __restrict__ partial, int n) {
+    constexpr int V = Pack<T>::N;
+    constexpr int P = C / (32 * V);
+    static_assert(C % (32 * V) == 0, "C must be a multiple of 32 packs");
+    __shared__ float sdw[C];
+    __shared__ float sdb[C];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float adw[P][V], adb[P][V];
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int j = 0; j < V; ++j) adw[p][j] = adb[p][j] = 0.0f;
+    for (int row = blockIdx.x * kLnWarps + warp; row < n; row += gridDim.x * kLnWarps) {
+        const T* gr = g + (long long)row * C;
+        const T* xr = x + (long long)row * C;
+        const float mu = mean[row], r = rstd[row];
+        float gv[P][V], xh[P][V];
+        float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int c0 = (p * 32 + lane) * V;
+            const Pack<T> gp = load_pack(gr + c0);
+            const Pack<T> xp = load_pack(xr + c0);
+            const Pack<T> wp = load_pack(w + c0);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const float gg = to_float(gp.v[j]);
+                const float xhat = (to_float(xp.v[j]) - mu) * r;
+                adw[p][j] += gg * xhat;
+                adb[p][j] += gg;
+                const float gw = gg * to_float(wp.v[j]);
+                gv[p][j] = gw;
+                xh[p][j] = xhat;
+                sa += gw;
+                sb += gw * xhat;
+            }
+        }
+        const float a = warp_sum(sa) / C, bb = warp_sum(sb) / C;
+        T* dxr = dx + (long long)row * C;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            Pack<T> o;
+#pragma unroll
+            for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(r * (gv[p][j] - a - xh[p][j] * bb));
+            store_pack(dxr + (p * 32 + lane) * V, o);
+        }
+    }
+    for (int c = threadIdx.x; c < C; c += blockDim.x) sdw[c] = sdb[c] = 0.0f;
+    __syncthreads();
+    for (int k = 0; k < kLnWarps; ++k) {  // warps add in a fixed order: deterministic
+        if (warp == k) {
+#pragma unroll
+            for (int p = 0; p < P; ++p)
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const int c = (p * 32 + lane) * V + j;
+                    sdw[c] += adw[p][j];
+                    sdb[c] += adb[p][j];
+                }
+        }
+        __syncthreads();
+    }
+    float* pw = partial + (long long)blockIdx.x * C;
+    float* pb = partial + (long long)(gridDim.x + blockIdx.x) * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        pw[c] = sdw[c];
+        pb[c] = sdb[c];
+    }
+}
+
+// dx only, any C: one warp per row, three passes over the row.
+template <typename T>
+__global__ void __launch_bounds__(256) layer_norm_bwd_any(const T* __restrict__ g, const T* __restrict__ x,
+                                                          const T* __restrict__ w,
+                                                          const float* __restrict__ mean,
+                                                          const float* __restrict__ rstd, T* __restrict__ dx,
+                                                          int n, int C) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const T* gr = g + (long long)row * C;
+    const T* xr = x + (long long)row * C;
+    const float mu = mean[row], r = rstd[row];
+    float sa = 0.0f, sb = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        const float gw = to_float(gr[c]) * to_float(w[c]);
+        sa += gw;
+        sb += gw * (to_float(xr[c]) - mu) * r;
+    }
+    const float a = warp_sum(sa) / C, bb = warp_sum(sb) / C;
+    T* dxr = dx + (long long)row * C;
+    for (int c = lane; c < C; c += 32) {
+        const float gw = to_float(gr[c]) * to_float(w[c]);
+        const float xhat = (to_float(xr[c]) - mu) * r;
+        dxr[c] = from_float<T>(r * (gw - a - xhat * bb));
+    }
+}
+
+// Partial dweight/dbias over a chunk of rows for 32 columns: block (256) = 32 columns x 8 row
+// lanes, grid (ceil(C / 32), chunks). Writes partial[chunk][C] and partial[chunks + chunk][C].
+template <typename T>
+__global__ void __launch_bounds__(256) layer_norm_dwdb_any(const T* __restrict__ g, const T* __restrict__ x,
+                                                           const float* __restrict__ mean,
+                                                           const float* __restrict__ rstd,
+                                                           float* __restrict__ partial, int n, int C,
+                                                           int rows_per_chunk) {
+    __shared__ float sw[8][33];
+    __shared__ float sb[8][33];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const int c = blockIdx.x * 32 + tx;
+    const int r0 = blockIdx.y * rows_per_chunk;
+    const int r1 = min(n, r0 + rows_per_chunk);
+    float aw = 0.0f, ab = 0.0f;
+    if (c < C) {
+        for (int row = r0 + ty; row < r1; row += 8) {
+            const float gg = to_float(g[(long long)row * C + c]);
+            aw += gg * (to_float(x[(long long)row * C + c]) - mean[row]) * rstd[row];
+            ab += gg;
+        }
+    }
+    sw[ty][tx] = aw;
+    sb[ty][tx] = ab;
+    __syncthreads();
+    if (ty == 0 && c < C) {
+        float tw = 0.0f, tb = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            tw += sw[k][tx];
+            tb += sb[k][tx];
+        }
+        partial[(long long)blockIdx.y * C + c] = tw;
+        partial[(long long)(gridDim.y + blockIdx.y) * C + c] = tb;
+    }
+}
+
+// dweight[c] = sum_k partial[k][c], dbias[c] = sum_k partial[parts + k][c], in k order.
+template <typename T>
+__global__ void layer_norm_dwdb_finish(const float* __restrict__ partial, int parts, int C,
+                                       T* __restrict__ dw, T* __restrict__ db) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float tw = 0.0f, tb = 0.0f;
+    for (int k = 0; k < parts; ++k) {
+        tw += partial[(long long)k * C + c];
+        tb += partial[(long long)(parts + k) * C + c];
+    }
+    if (dw != nullptr) dw[c] = from_float<T>(tw);
+    if (db != nullptr) db[c] = from_float<T>(tb);
+}

@@ -1,0 +1,100 @@
+"""LayerNorm over the last axis: register-resident kernels for common widths, generic otherwise.
+
+The backward writes dx and per-block partial sums of dweight/dbias that a second kernel adds
+in a fixed order, so dweight/dbias are deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+from kiln.backend.cpu import layer_norm as cpu
+from kiln.backend.cuda import device as rt
+from kiln.backend.cuda.compiler import LAYER_NORM_BWD_WIDTHS, LAYER_NORM_WIDTHS, f32, get_kernel, i32
+from kiln.backend.cuda.launch import aligned16, cdiv, contiguous, cpu_fallback, ctype
+
+_ROWS_PER_BLOCK = 8  # one warp per row, 8 warps per block (kLnWarps in layer_norm.cu)
+_MAX_BWD_BLOCKS = 256
+_constants: dict = {}
+
+
+def _constant(value: float, c: int, dtype):
+    """A cached device vector of `value` (ones for a missing weight, zeros for a missing bias)."""
+    key = (value, c, str(dtype), rt.device_id())
+    a = _constants.get(key)
+    if a is None:
+        cp = rt.cupy()
+        a = cp.full((c,), value, dtype=dtype)
+        _constants[key] = a
+    return a
+
+
+def _reg_ok(c: int, dtype, widths) -> bool:
+    return c in widths and c % (32 * (16 // dtype.itemsize)) == 0
+
+
+def layer_norm_fwd(x, weight, bias, eps):
+    """(y, mean, rstd) for x[N, C]; mean and rstd are float32 [N]."""
+    t = ctype(x.dtype)
+    if t is None:
+        return cpu_fallback(cpu.layer_norm_fwd, x, weight, bias, eps)
+    cp = rt.cupy()
+    x = contiguous(x)
+    n, c = x.shape
+    w = _constant(1.0, c, x.dtype) if weight is None else contiguous(weight.astype(x.dtype, copy=False))
+    b = _constant(0.0, c, x.dtype) if bias is None else contiguous(bias.astype(x.dtype, copy=False))
+    y = cp.empty_like(x)
+    mean = cp.empty((n,), dtype=cp.float32)
+    rstd = cp.empty((n,), dtype=cp.float32)
+    grid = (cdiv(n, _ROWS_PER_BLOCK),)
+    if _reg_ok(c, x.dtype, LAYER_NORM_WIDTHS) and aligned16(x, y, w, b):
+        get_kernel("layer_norm.cu", f"layer_norm_fwd_reg<{t}, {c}>")(
+            grid, (256,), (x, w, b, y, mean, rstd, i32(n), f32(eps)))
+    else:
+        get_kernel("layer_norm.cu", f"layer_norm_fwd_any<{t}>")(
+            grid, (256,), (x, w, b, y, mean, rstd, i32(n), i32(c), f32(eps)))
+    return y, mean, rstd
+
+
+def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db):
+    """(dx, dweight, dbias); dweight/dbias are None unless asked for."""
+    t = ctype(x.dtype)
+    if t is None:
+        return cpu_fallback(cpu.layer_norm_bwd, grad, x, weight, mean, rstd, need_dw, need_db)
+    cp = rt.cupy()
+    x = contiguous(x)
+    n, c = x.shape
+    g = contiguous(grad.astype(x.dtype, copy=False))
+    w = _constant(1.0, c, x.dtype) if weight is None else contiguous(weight.astype(x.dtype, copy=False))
+    mean = contiguous(mean.astype(cp.float32, copy=False))
+    rstd = contiguous(rstd.astype(cp.float32, copy=False))
+    dx = cp.empty_like(x)
+    parts, partial = 0, None
+    if _reg_ok(c, x.dtype, LAYER_NORM_BWD_WIDTHS) and aligned16(g, x, w, dx):
+        parts = max(1, min(cdiv(n, _ROWS_PER_BLOCK), _MAX_BWD_BLOCKS))
+        partial = cp.empty((2 * parts, c), dtype=cp.float32)
+        get_kernel("layer_norm.cu", f"layer_norm_bwd_reg<{t}, {c}>")(
+            (parts,), (256,), (g, x, w, mean, rstd, dx, partial, i32(n)))
+    else:
+        get_kernel("layer_norm.cu", f"layer_norm_bwd_any<{t}>")(
+            (cdiv(n, _ROWS_PER_BLOCK),), (256,), (g, x, w, mean, rstd, dx, i32(n), i32(c)))
+        if need_dw or need_db:
+            rows_per_chunk = max(64, cdiv(n, 256))
+            parts = max(1, cdiv(n, rows_per_chunk))
+            partial = cp.empty((2 * parts, c), dtype=cp.float32)
+            get_kernel("layer_norm.cu", f"layer_norm_dwdb_any<{t}>")(
+                (cdiv(c, 32), parts), (256,), (g, x, mean, rstd, partial, i32(n), i32(c), i32(rows_per_chunk)))
+    dw = db = None
+    if need_dw or need_db:
+        pdtype = x.dtype if weight is None else weight.dtype
+        dw = cp.empty((c,), dtype=pdtype) if need_dw else None
+        db = cp.empty((c,), dtype=pdtype) if need_db else None
+        if ctype(pdtype) != t:  # finish in x's dtype, then convert (weights of another dtype)
+            dw_t = cp.empty((c,), dtype=x.dtype) if need_dw else None
+            db_t = cp.empty((c,), dtype=x.dtype) if need_db else None
+        else:
+            dw_t, db_t = dw, db
+        get_kernel("layer_norm.cu", f"layer_norm_dwdb_finish<{t}>")(
+            (cdiv(c, 256),), (256,), (partial, i32(parts), i32(c), dw_t, db_t))
+        if dw_t is not dw:
+            dw = None if dw_t is None else dw_t.astype(pdtype)
+            db = None if db_t is None else db_t.astype(pdtype)
+    return dx, dw, db

@@ -1,0 +1,182 @@
+"""Matrix products through cuBLASLt: batched matmul, linear forward (bias epilogue) and backward.
+
+Operands are passed as they lie in memory: a row-major matrix, or the transpose of one (a
+`swapaxes` view), becomes a transpose flag and a leading dimension, never a copy. Layouts a
+GEMM cannot express (a column stride other than 1 on both axes, batch dims that do not
+collapse to one stride, partial broadcasting) are made contiguous first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.backend.cpu import matmul as cpu
+from kiln.backend.cuda import cublaslt
+from kiln.backend.cuda import device as rt
+from kiln.backend.cuda.launch import cpu_fallback
+
+
+def _gemm_dtype(*arrays) -> bool:
+    return all(np.dtype(a.dtype).name in cublaslt.DTYPES for a in arrays) and \
+        len({np.dtype(a.dtype) for a in arrays}) == 1
+
+
+def as_matrix(x):
+    """(array, transposed, ld) for the last two axes of x: x is row-major with row stride ld, or
+    (transposed) the transpose of a row-major array with row stride ld; copies when neither."""
+    r, c = x.shape[-2], x.shape[-1]
+    item = x.dtype.itemsize
+    sr, sc = x.strides[-2], x.strides[-1]
+    if sr % item == 0 and sc % item == 0 and sr >= 0 and sc >= 0:
+        er, ec = sr // item, sc // item
+        if (ec == 1 or c == 1) and (er >= max(c, 1) or r == 1):
+            return x, False, max(er if r > 1 else c, 1)
+        if (er == 1 or r == 1) and (ec >= max(r, 1) or c == 1):
+            return x, True, max(ec if c > 1 else r, 1)
+    x = rt.cupy().ascontiguousarray(x)
+    return x, False, max(c, 1)
+
+
+def _batch_stride(x, batch: tuple):
+    """(array, stride in elements) so that matrix i of the flattened batch starts at i * stride."""
+    cp = rt.cupy()
+    xb = tuple(x.shape[:-2])
+    if math.prod(xb) == 1:
+        return x, 0  # one matrix for every batch entry (broadcast): stride 0
+    if (1,) * (len(batch) - len(xb)) + xb != batch:  # partially broadcast: materialise
+        x = cp.ascontiguousarray(cp.broadcast_to(x, batch + tuple(x.shape[-2:])))
+    item = x.dtype.itemsize
+    dims = [(s, st) for s, st in zip(x.shape[:-2], x.strides[:-2]) if s != 1]
+    ok = all(st % item == 0 and st >= 0 for _, st in dims)
+    for (s0, st0), (s1, st1) in zip(dims, dims[1:]):
+        ok = ok and st0 == st1 * s1
+    if not ok:
+        x = cp.ascontiguousarray(x)
+        dims = [(s, st) for s, st in zip(x.shape[:-2], x.strides[:-2]) if s != 1]
+    return x, (dims[-1][1] // item if dims else 0)
+
+
+def _operand(x, batch: tuple):
+    """(array, transposed, ld, batch stride) of one batched GEMM operand."""
+    x, stride = _batch_stride(x, batch)
+    y, trans, ld = as_matrix(x)
+    if y is not x:  # copied to row-major: matrices now lie r * c apart (or stay broadcast)
+        stride = 0 if math.prod(y.shape[:-2]) == 1 else y.shape[-2] * y.shape[-1]
+    return y, trans, ld, stride
+
+
+def matmul(a, b):
+    """a @ b with NumPy's batching and broadcasting rules, fp32 accumulation, out in a's dtype."""
+    cp = rt.cupy()
+    if not _gemm_dtype(a, b) or a.ndim == 0 or b.ndim == 0:
+        if a.dtype == np.float64 and b.dtype == np.float64:
+            return cp.matmul(a, b)
+        return cpu_fallback(cpu.matmul, a, b)
+    squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
+    if squeeze_a:
+        a = a.reshape(1, -1)
+    if squeeze_b:
+        b = b.reshape(-1, 1)
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    if b.ndim == 2 and a.ndim > 2:  # fold a's batch into its rows: one GEMM
+        out = matmul(a.reshape(-1, k), b).reshape(batch + (m, n))
+    else:
+        out = cp.empty(batch + (m, n), dtype=a.dtype)
+        nb = math.prod(batch)
+        if out.size and k == 0:
+            out[...] = 0
+        elif out.size:
+            a, ta, lda, sa = _operand(a, batch)
+            b, tb, ldb, sb = _operand(b, batch)
+            cublaslt.gemm(a, b, out, m=m, n=n, k=k, trans_a=ta, trans_b=tb, lda=lda, ldb=ldb, ldc=n,
+                          batch=nb, stride_a=sa, stride_b=sb, stride_c=m * n)
+    if squeeze_a:
+        out = out.reshape(out.shape[:-2] + out.shape[-1:])
+    if squeeze_b:
+        out = out.reshape(out.shape[:-1])
+    return out
+
+
+def linear_fwd(x, weight, bias):
+    """y[N, out] = x[N, in] @ weight[out, in]^T (+ bias[out]), the bias in cuBLASLt's epilogue."""
+    cp = rt.cupy()
+    if not _gemm_dtype(x, weight) or (bias is not None and bias.dtype != x.dtype):
+        return cpu_fallback(cpu.linear_fwd, x, weight, bias) if x.dtype != np.float64 else \
+            _linear_fwd_f64(x, weight, bias)
+    n_rows, k = x.shape
+    n_out = weight.shape[0]
+    y = cp.empty((n_rows, n_out), dtype=x.dtype)
+    if y.size == 0:
+        return y
+    if k == 0:
+        y[...] = 0 if bias is None else bias
+        return y
+    xa, tx, ldx = as_matrix(x)
+    wa, tw, ldw = as_matrix(weight)
+    if bias is None:
+        cublaslt.gemm(xa, wa, y, m=n_rows, n=n_out, k=k, trans_a=tx, trans_b=not tw, lda=ldx, ldb=ldw)
+    else:
+        cublaslt.gemm(xa, wa, y, m=n_rows, n=n_out, k=k, trans_a=tx, trans_b=not tw, lda=ldx, ldb=ldw,
+                      bias=cp.ascontiguousarray(bias), epilogue="bias")
+    return y
+
+
+def _linear_fwd_f64(x, weight, bias):
+    y = x @ weight.T
+    if bias is not None:
+        y += bias.astype(y.dtype, copy=False)
+    return y
+
+
+_no_bgradb: set = set()  # (dtype, m, n, k) where cuBLASLt offered no BGRADB algorithm
+
+
+def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
+    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias rides in the dW GEMM (BGRADB epilogue)."""
+    cp = rt.cupy()
+    if not _gemm_dtype(grad, weight) or (x is not None and x.dtype != grad.dtype):
+        if grad.dtype == np.float64:
+            dx = grad @ weight if need_dx else None
+            dw = grad.T @ x if need_dw else None
+            db = grad.sum(axis=0) if need_db else None
+            return dx, dw, db
+        return cpu_fallback(cpu.linear_bwd, grad, x, weight, need_dx, need_dw, need_db)
+    n_rows, n_out = grad.shape
+    n_in = weight.shape[1]
+    ga, tg, ldg = as_matrix(grad)
+    dx = dw = db = None
+    if need_dx:
+        dx = cp.empty((n_rows, n_in), dtype=x.dtype if x is not None else grad.dtype)
+        if dx.size and n_out == 0:
+            dx[...] = 0
+        elif dx.size:
+            wa, tw, ldw = as_matrix(weight)
+            cublaslt.gemm(ga, wa, dx, m=n_rows, n=n_in, k=n_out, trans_a=tg, trans_b=tw, lda=ldg, ldb=ldw)
+    if need_db:
+        db = cp.empty((n_out,), dtype=weight.dtype)
+    if need_dw:
+        dw = cp.empty((n_out, n_in), dtype=weight.dtype)
+        if dw.size and n_rows == 0:
+            dw[...] = 0
+            if db is not None:
+                db[...] = 0
+            return dx, dw, db
+        if dw.size:
+            xa, tx, ldx = as_matrix(x)
+            # dW[out, in] = grad^T @ x: our A is grad^T, so its transpose flag flips.
+            args = dict(m=n_out, n=n_in, k=n_rows, trans_a=not tg, trans_b=tx, lda=ldg, ldb=ldx)
+            key = (np.dtype(dw.dtype).name, n_out, n_in, n_rows)
+            if db is not None and key not in _no_bgradb:
+                try:
+                    cublaslt.gemm(ga, xa, dw, bias=db, epilogue="bgradb", **args)
+                    return dx, dw, db
+                except cublaslt.CublasError:
+                    _no_bgradb.add(key)  # fall through: plain GEMM and a separate reduction
+            cublaslt.gemm(ga, xa, dw, **args)
+    if db is not None:
+        db[...] = grad.astype(cp.float32).sum(axis=0).astype(db.dtype)
+    return dx, dw, db

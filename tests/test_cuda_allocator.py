@@ -1,0 +1,112 @@
+"""The caching allocator's bookkeeping and its learned rounding, on CPU with a fake driver."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.backend.cuda.allocator import (CachingAllocator, OutOfMemoryError, Rounding, choose_rounding,
+                                         simulate)
+from kiln.errors import KilnError
+
+
+class FakeDriver:
+    """cudaMalloc/cudaFree stand-ins with a capacity, handing out increasing addresses."""
+
+    def __init__(self, capacity=1 << 40):
+        self.capacity, self.used, self.next, self.blocks = capacity, 0, 1 << 20, {}
+
+    def malloc(self, size, device_id):
+        if self.used + size > self.capacity:
+            raise MemoryError("fake OOM")
+        ptr = self.next
+        self.next += size + 4096
+        self.blocks[ptr] = size
+        self.used += size
+        return ptr
+
+    def free(self, ptr, device_id):
+        self.used -= self.blocks.pop(ptr)
+
+
+def step_trace(sizes, ident0=0):
+    """A step that allocates `sizes` in order, then frees them in reverse (activations)."""
+    trace = [("alloc", ident0 + i, s) for i, s in enumerate(sizes)]
+    trace += [("free", ident0 + i, 0) for i in reversed(range(len(sizes)))]
+    return trace
+
+
+def test_rounding_rounds_up_by_band():
+    r = Rounding(512, 1 << 21, 1 << 20)
+    assert r(1) == 512 and r(512) == 512 and r(513) == 1024
+    assert r((1 << 20) + 1) == 1 << 21 and r(3 << 20) == 4 << 20
+    with pytest.raises(KilnError, match="power of two"):
+        Rounding(500)
+
+
+def test_simulate_counts_reuse_and_waste():
+    trace = step_trace([1000, 3000]) + step_trace([1000, 3000], 10)
+    sim = simulate(trace, Rounding(1024, 1024))
+    assert sim["reserved"] == 1024 + 3072  # the second step reuses both blocks
+    assert sim["peak_requested"] == 4000 and sim["blocks"] == 2
+
+
+def test_choose_rounding_merges_sizes_that_alternate():
+    # Step 1 needs 5000 bytes, step 2 needs 6000 bytes at the same point: exact 512-rounding
+    # keeps two blocks (10752 bytes), 8 KiB rounding lets one block serve both (8192).
+    trace = step_trace([5000]) + step_trace([6000], 1)
+    r, report = choose_rounding(trace, smalls=(512, 8192), larges=(512,))
+    assert r.small == 8192 and report["reserved"] == 8192
+    assert report["wasted"] == 8192 - 6000
+
+
+def test_choose_rounding_keeps_fine_rounding_for_static_steps():
+    sizes = [768 * 4 * 7, 3072 * 4 * 3, 100, 50304 * 4]
+    trace = step_trace(sizes) + step_trace(sizes, 100)
+    r, report = choose_rounding(trace)
+    assert report["reserved"] == sum(r(s) for s in sizes)
+    assert report["reserved"] - sum(sizes) < 512 * len(sizes)
+
+
+def test_allocator_reuses_blocks_and_reports_stats():
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free)
+    p1 = a.malloc(1000)
+    a.free(p1)
+    p2 = a.malloc(900)  # same 1024-byte class: the cached block
+    assert p2 == p1
+    st = a.memory_stats()
+    assert st["allocated_bytes"] == 1024 and st["requested_bytes"] == 900
+    assert st["reserved_bytes"] == 1024 and st["num_driver_mallocs"] == 1
+    assert st["wasted_bytes"] == 124 and st["peak_allocated_bytes"] == 1024
+    a.free(p2)
+    assert a.memory_stats()["cached_bytes"] == 1024
+
+
+def test_end_warmup_learns_rounding_and_returns_step0_memory():
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free)
+    for size in (5000, 6000):  # two steps whose buffers differ a little
+        p = a.malloc(size)
+        a.free(p)
+    before = a.memory_stats()["reserved_bytes"]
+    report = a.end_warmup()
+    assert report["released_bytes"] == before and drv.used == 0
+    assert a.rounding(5000) == a.rounding(6000) and not a.memory_stats()["warmup"]
+    p = a.malloc(5000)
+    a.free(p)
+    assert a.malloc(6000) == p  # one block now serves both sizes
+
+
+def test_out_of_memory_flushes_cache_then_raises_with_stats():
+    drv = FakeDriver(capacity=8192)
+    a = CachingAllocator(drv.malloc, drv.free, rounding=Rounding(4096, 4096))
+    a.free(a.malloc(4096))  # cached
+    keep = a.malloc(100)
+    assert keep  # reuses the cached 4096-byte block
+    p = a.malloc(4000)  # the second block fits
+    a.free(p)
+    big = a.malloc(8000 - 4096)  # cached 4096 block again
+    assert big == p
+    with pytest.raises(OutOfMemoryError, match=r"allocating 5000 bytes .*allocated 8192, reserved 8192"):
+        a.malloc(5000)
+    assert a.memory_stats()["num_ooms"] == 1

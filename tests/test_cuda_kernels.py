@@ -1,0 +1,371 @@
+"""Every CUDA kernel against the CPU backend in float64, on fresh random inputs.
+
+Tolerances are relative, ||gpu - ref|| / ||ref||: float32 <= 1e-5, bfloat16 <= 1e-2,
+float16 <= 2e-3. The inputs are rounded to the tested dtype first, so the reference sees
+exactly the values the kernel sees. Every array a kernel wrapper allocates is poisoned with
+NaN (the `gpu` fixture wraps CuPy's empty/empty_like), so an element a kernel forgets to
+write fails the comparison. Run on a GPU machine with `pytest -m cuda`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kiln
+from kiln.backend import cpu
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU with CuPy")]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = {np.dtype(np.float32): 1e-5, BF16: 1e-2, np.dtype(np.float16): 2e-3}
+DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+
+class _PoisonedXP:
+    """CuPy, except that empty/empty_like return NaN-filled (floats) or 0x5a-filled arrays."""
+
+    def __init__(self, xp):
+        self._xp = xp
+
+    def __getattr__(self, name):
+        return getattr(self._xp, name)
+
+    @staticmethod
+    def _poison(a):
+        if np.dtype(a.dtype).kind in "fV" or a.dtype == BF16:
+            a.fill(np.nan)
+        elif a.dtype.kind in "iu":
+            a.fill(0x5a)
+        return a
+
+    def empty(self, shape, dtype=float, order="C"):
+        return self._poison(self._xp.empty(shape, dtype=dtype, order=order))
+
+    def empty_like(self, a, dtype=None, order="K", subok=None, shape=None):
+        return self._poison(self._xp.empty_like(a, dtype=dtype, shape=shape))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    from kiln.backend.cuda import device
+    backend = kiln.backend.get_backend("cuda")
+    real = device.cupy
+    monkeypatch.setattr(device, "cupy", lambda: _PoisonedXP(real()))
+    return backend
+
+
+def rand(shape, dtype, rng, scale=1.0):
+    """Standard normal draws rounded to dtype (never zeros)."""
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def f64(a):
+    return None if a is None else np.asarray(a).astype(np.float64)
+
+
+def rel(got, ref) -> float:
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.isfinite(got).all(), "non-finite values (an unwritten, poisoned element?)"
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / (denom if denom > 0 else 1.0))
+
+
+def close(gpu, got, ref, dtype, factor=1.0):
+    host = gpu.to_numpy(got) if not isinstance(got, np.ndarray) else got
+    err = rel(host, ref)
+    assert err <= TOL[np.dtype(dtype)] * factor, f"relative error {err:.3g} > {TOL[np.dtype(dtype)] * factor:.3g}"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+# --- GELU ---------------------------------------------------------------------------------
+
+GELU_SHAPES = [(7,), (3, 1001), (4, 64, 3072), pytest.param((16, 1024, 3072), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("shape", GELU_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gelu(gpu, rng, shape, dtype):
+    x, g = rand(shape, dtype, rng), rand(shape, dtype, rng)
+    close(gpu, gpu.gelu_fwd(gpu.asarray(x)), cpu.gelu_fwd(f64(x)), dtype)
+    close(gpu, gpu.gelu_bwd(gpu.asarray(g), gpu.asarray(x)), cpu.gelu_bwd(f64(g), f64(x)), dtype)
+
+
+def test_gelu_unaligned_view(gpu, rng):
+    x = rand((1027,), np.float32, rng)
+    xd = gpu.asarray(x)[1:]  # 4 bytes past a 16-byte boundary: the scalar path
+    close(gpu, gpu.gelu_fwd(xd), cpu.gelu_fwd(f64(x[1:])), np.float32)
+
+
+# --- LayerNorm ----------------------------------------------------------------------------
+
+LN_SHAPES = [(5, 768), (37, 100), (64, 1024), (9, 2048), (33, 1536), (3, 5000),
+             pytest.param((16384, 768), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("affine", ["weight_bias", "weight_only", "none"])
+def test_layer_norm(gpu, rng, shape, dtype, affine):
+    n, c = shape
+    x = rand(shape, dtype, rng, 2.0) + np.asarray(0.5, dtype)
+    w = rand((c,), dtype, rng) if affine != "none" else None
+    b = rand((c,), dtype, rng) if affine == "weight_bias" else None
+    g = rand(shape, dtype, rng)
+    eps = 1e-5
+    y, mean, rstd = gpu.layer_norm_fwd(gpu.asarray(x), None if w is None else gpu.asarray(w),
+                                       None if b is None else gpu.asarray(b), eps)
+    ry, rmean, rrstd = cpu.layer_norm_fwd(f64(x), f64(w), f64(b), eps)
+    close(gpu, y, ry, dtype)
+    close(gpu, mean, rmean, np.float32, factor=10)
+    close(gpu, rstd, rrstd, np.float32, factor=10)
+    need_dw, need_db = w is not None, b is not None
+    dx, dw, db = gpu.layer_norm_bwd(gpu.asarray(g), gpu.asarray(x), None if w is None else gpu.asarray(w),
+                                    mean, rstd, need_dw, need_db)
+    rdx, rdw, rdb = cpu.layer_norm_bwd(f64(g), f64(x), f64(w), rmean, rrstd, need_dw, need_db)
+    close(gpu, dx, rdx, dtype, factor=10 if dtype == np.float32 else 1)
+    if need_dw:
+        close(gpu, dw, rdw, dtype, factor=10 if dtype == np.float32 else 1)
+    else:
+        assert dw is None
+    if need_db:
+        close(gpu, db, rdb, dtype, factor=10 if dtype == np.float32 else 1)
+    else:
+        assert db is None
+
+
+def test_layer_norm_backward_is_deterministic(gpu, rng):
+    x, g, w = rand((4096, 768), np.float32, rng), rand((4096, 768), np.float32, rng), rand((768,), np.float32, rng)
+    xd, gd, wd = gpu.asarray(x), gpu.asarray(g), gpu.asarray(w)
+    _, mean, rstd = gpu.layer_norm_fwd(xd, wd, wd, 1e-5)
+    first = [gpu.to_numpy(a) for a in gpu.layer_norm_bwd(gd, xd, wd, mean, rstd, True, True)]
+    again = [gpu.to_numpy(a) for a in gpu.layer_norm_bwd(gd, xd, wd, mean, rstd, True, True)]
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+
+
+# --- softmax ------------------------------------------------------------------------------
+
+SM_SHAPES = [(4, 10), (3, 5, 1000), (2, 1023), (8, 1024), pytest.param((64, 50304), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("shape", SM_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+def test_softmax(gpu, rng, shape, dtype, kind):
+    x, g = rand(shape, dtype, rng, 3.0), rand(shape, dtype, rng)
+    fwd, bwd = getattr(gpu, f"{kind}_fwd"), getattr(gpu, f"{kind}_bwd")
+    rfwd, rbwd = getattr(cpu, f"{kind}_fwd"), getattr(cpu, f"{kind}_bwd")
+    y = fwd(gpu.asarray(x))
+    ry = rfwd(f64(x))
+    close(gpu, y, ry, dtype)
+    # The backward from the kernel's own (rounded) output, as autograd would call it.
+    yh = gpu.to_numpy(y)
+    close(gpu, bwd(gpu.asarray(g), y), rbwd(f64(g), f64(yh)), dtype, factor=2)
+
+
+# --- cross-entropy ------------------------------------------------------------------------
+
+CE_SHAPES = [(37, 1000), (5, 50304), (64, 1023), pytest.param((1024, 50304), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("shape", CE_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("tdtype", [np.int64, np.int32])
+def test_cross_entropy(gpu, rng, shape, dtype, tdtype):
+    n, v = shape
+    logits = rand(shape, dtype, rng, 2.0)
+    targets = rng.integers(0, v, size=n).astype(tdtype)
+    targets[rng.random(n) < 0.2] = -100
+    targets[0] = 3  # at least one valid target
+    loss, lse = gpu.cross_entropy_fwd(gpu.asarray(logits), gpu.asarray(targets), -100)
+    rloss, rlse = cpu.cross_entropy_fwd(f64(logits), targets, -100)
+    assert loss.shape == () and loss.dtype == np.float32
+    close(gpu, loss, rloss, np.float32, factor=10)
+    close(gpu, lse, rlse, np.float32, factor=10)
+    grad = np.asarray(rng.uniform(0.5, 2.0), dtype=dtype)
+    dl = gpu.cross_entropy_bwd(gpu.asarray(grad), gpu.asarray(logits), gpu.asarray(targets), lse, -100)
+    rdl = cpu.cross_entropy_bwd(f64(grad), f64(logits), targets, rlse, -100)
+    close(gpu, dl, rdl, dtype, factor=10 if dtype == np.float32 else 1)
+
+
+def test_cross_entropy_all_ignored_is_nan(gpu, rng):
+    logits = rand((4, 10), np.float32, rng)
+    loss, _ = gpu.cross_entropy_fwd(gpu.asarray(logits), gpu.asarray(np.full(4, -100, np.int64)), -100)
+    assert np.isnan(gpu.to_numpy(loss))
+
+
+# --- embedding ----------------------------------------------------------------------------
+
+EMB_CASES = [((7,), 11, 5), ((3, 17), 50, 768), ((4, 33), 1000, 100),
+             pytest.param((16, 1024), 50304, 768, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("idx_shape,vocab,dim", EMB_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_embedding(gpu, rng, idx_shape, vocab, dim, dtype):
+    w = rand((vocab, dim), dtype, rng)
+    idx = rng.integers(0, min(vocab, 40), size=idx_shape)  # many repeats
+    out = gpu.embedding_fwd(gpu.asarray(w), gpu.asarray(idx))
+    assert np.array_equal(gpu.to_numpy(out).astype(np.float64), f64(w)[idx])
+    g = rand(idx_shape + (dim,), dtype, rng)
+    dw = gpu.embedding_bwd(gpu.asarray(g), gpu.asarray(idx), vocab)
+    close(gpu, dw, cpu.embedding_bwd(f64(g), idx, vocab), dtype)
+    again = gpu.embedding_bwd(gpu.asarray(g), gpu.asarray(idx), vocab)
+    assert np.array_equal(gpu.to_numpy(dw).astype(np.float64), gpu.to_numpy(again).astype(np.float64))
+
+
+# --- attention ----------------------------------------------------------------------------
+
+ATT_SHAPES = [(1, 1, 3, 64), (2, 3, 65, 64), (1, 2, 200, 128), (1, 1, 33, 32), (2, 2, 100, 48),
+              (4, 12, 256, 64),
+              pytest.param((4, 12, 1024, 64), marks=pytest.mark.slow),
+              pytest.param((1, 2, 2048, 128), marks=pytest.mark.slow),
+              pytest.param((1, 1, 16384, 64), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("shape", ATT_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_attention(gpu, rng, shape, dtype):
+    q, k, v, g = (rand(shape, dtype, rng) for _ in range(4))
+    scale = 1.0 / math.sqrt(shape[-1])
+    out, lse = gpu.attention_fwd(gpu.asarray(q), gpu.asarray(k), gpu.asarray(v), scale)
+    rout, rlse = cpu.attention_fwd(f64(q), f64(k), f64(v), scale)
+    close(gpu, out, rout, dtype, factor=5 if dtype == np.float32 else 1)
+    close(gpu, lse, rlse, np.float32, factor=5)
+    # The backward from the kernel's own output and lse, as autograd calls it.
+    grads = gpu.attention_bwd(gpu.asarray(g), gpu.asarray(q), gpu.asarray(k), gpu.asarray(v), out, lse, scale)
+    refs = cpu.attention_bwd(f64(g), f64(q), f64(k), f64(v), f64(gpu.to_numpy(out)), f64(gpu.to_numpy(lse)), scale)
+    for got, ref in zip(grads, refs):
+        close(gpu, got, ref, dtype, factor=10 if dtype == np.float32 else 2)
+
+
+# --- AdamW, gradient norm, scaling --------------------------------------------------------
+
+ADAM_SIZES = [(1,), (3,), (70001,), (768, 3), (33, 65), (16384 + 5,)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["fp32", "bf16"])
+def test_adamw_step_matches_cpu_over_steps(gpu, rng, dtype):
+    params = [rand(s, dtype, rng) for s in ADAM_SIZES]
+    wds = [0.1 if len(s) > 1 else 0.0 for s in ADAM_SIZES]
+    ref_p = [f64(p) for p in params]
+    ref_m = [np.zeros_like(p) for p in ref_p]
+    ref_v = [np.zeros_like(p) for p in ref_p]
+    dp = [gpu.asarray(p) for p in params]
+    dm = [gpu.zeros(p.shape, dtype) for p in params]
+    dv = [gpu.zeros(p.shape, dtype) for p in params]
+    for step in range(1, 4):
+        grads = [rand(s, dtype, rng) for s in ADAM_SIZES]
+        lr = 1e-2 / step
+        cpu.adamw_step(ref_p, [f64(g) for g in grads], ref_m, ref_v, wds, lr, 0.9, 0.95, 1e-8, step)
+        gpu.adamw_step(dp, [gpu.asarray(g) for g in grads], dm, dv, wds, lr, 0.9, 0.95, 1e-8, step)
+    for p, rp, m, rm, v, rv in zip(dp, ref_p, dm, ref_m, dv, ref_v):
+        close(gpu, p, rp, dtype)
+        close(gpu, m, rm, dtype)
+        close(gpu, v, rv, dtype)
+
+
+def test_adamw_step_on_views_of_one_flat_buffer(gpu, rng):
+    sizes = [5, 1000, 3, 4096]
+    flat = rand((sum(sizes),), np.float32, rng)
+    grads = rand((sum(sizes),), np.float32, rng)
+    dflat, dgrads = gpu.asarray(flat), gpu.asarray(grads)
+    offs = np.cumsum([0] + sizes)
+    views = [dflat[a:b] for a, b in zip(offs, offs[1:])]
+    gviews = [dgrads[a:b] for a, b in zip(offs, offs[1:])]
+    ms = [gpu.zeros((s,), np.float32) for s in sizes]
+    vs = [gpu.zeros((s,), np.float32) for s in sizes]
+    gpu.adamw_step(views, gviews, ms, vs, [0.1] * 4, 1e-3, 0.9, 0.999, 1e-8, 1)
+    rp = [f64(flat[a:b]) for a, b in zip(offs, offs[1:])]
+    cpu.adamw_step(rp, [f64(grads[a:b]) for a, b in zip(offs, offs[1:])],
+                   [np.zeros(s) for s in sizes], [np.zeros(s) for s in sizes], [0.1] * 4, 1e-3, 0.9, 0.999, 1e-8, 1)
+    close(gpu, dflat, np.concatenate(rp), np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=DTYPE_IDS)
+def test_grad_norm_and_scale(gpu, rng, dtype):
+    grads = [rand(s, dtype, rng) for s in ADAM_SIZES]
+    dg = [gpu.asarray(g) for g in grads]
+    norm = gpu.grad_norm(dg)
+    assert norm.shape == () and norm.dtype == np.float32
+    ref = math.sqrt(sum(float(np.sum(f64(g) ** 2)) for g in grads))
+    close(gpu, norm, np.asarray(ref), np.float32, factor=10)
+    factor = gpu.asarray(np.asarray(0.37, dtype=np.float32))
+    gpu.scale_(dg, factor)
+    for got, g in zip(dg, grads):
+        close(gpu, got, f64(g) * 0.37, dtype)
+
+
+def test_grad_norm_mixed_dtypes(gpu, rng):
+    a, b = rand((1000,), np.float32, rng), rand((77,), ml_dtypes.bfloat16, rng)
+    norm = gpu.grad_norm([gpu.asarray(a), gpu.asarray(b)])
+    close(gpu, norm, np.asarray(np.sqrt(np.sum(f64(a) ** 2) + np.sum(f64(b) ** 2))), np.float32, factor=10)
+
+
+# --- random numbers and dropout -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["fp32", "bf16"])
+def test_rng_statistics_and_state(gpu, dtype):
+    gen = gpu.new_generator(1234)
+    state = gpu.generator_state(gen)
+    n = gpu.to_numpy(gpu.rng_normal(gen, (1000, 1001), dtype)).astype(np.float64)
+    u = gpu.to_numpy(gpu.rng_uniform(gen, (1000, 1001), dtype)).astype(np.float64)
+    assert abs(n.mean()) < 5e-3 and abs(n.std() - 1.0) < 5e-3
+    assert abs(u.mean() - 0.5) < 5e-3 and abs(u.var() - 1 / 12) < 5e-3
+    assert u.min() >= 0.0 and (u.max() < 1.0 or dtype != np.float32)
+    gpu.set_generator_state(gen, state)
+    again = gpu.to_numpy(gpu.rng_normal(gen, (1000, 1001), dtype)).astype(np.float64)
+    assert np.array_equal(n, again)
+    other = gpu.to_numpy(gpu.rng_normal(gpu.new_generator(1235), (1000, 1001), dtype)).astype(np.float64)
+    assert not np.array_equal(n, other)
+    import json
+    json.dumps(gpu.generator_state(gen))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dropout(gpu, rng, dtype):
+    x = rand((513, 257), dtype, rng)
+    gen = gpu.new_generator(7)
+    p = 0.3
+    y, mask = gpu.dropout_fwd(gpu.asarray(x), p, gen)
+    yh, mh = gpu.to_numpy(y).astype(np.float64), gpu.to_numpy(mask).astype(np.float64)
+    keep_value = float(np.asarray(1.0 / (1.0 - p), dtype=dtype))
+    assert set(np.unique(mh)) <= {0.0, keep_value}
+    assert abs((mh == 0).mean() - p) < 0.01
+    assert np.array_equal(yh, (x * np.asarray(mh, dtype=dtype)).astype(np.float64))
+    y2, _ = gpu.dropout_fwd(gpu.asarray(x), p, gen)
+    assert not np.array_equal(gpu.to_numpy(y2).astype(np.float64), yh)  # the generator moved on
+
+
+# --- arrays -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float64, np.int64], ids=str)
+def test_asarray_roundtrip(gpu, rng, dtype):
+    x = (rng.standard_normal((3, 5)) * 10).astype(dtype)
+    d = gpu.asarray(x)
+    assert d.dtype == np.dtype(dtype) and d.shape == x.shape
+    assert np.array_equal(gpu.to_numpy(d), x)
+    assert gpu.to_numpy(gpu.zeros((2, 3), dtype)).sum() == 0
+    assert gpu.empty((4,), dtype).shape == (4,)
+
+
+def test_scatter_add_repeated_indices(gpu, rng):
+    dst = rand((10, 4), np.float32, rng)
+    idx = np.array([1, 3, 1, 1, 9])
+    src = rand((5, 4), np.float32, rng)
+    d = gpu.asarray(dst)
+    gpu.scatter_add(d, gpu.asarray(idx), gpu.asarray(src))
+    ref = f64(dst)
+    np.add.at(ref, idx, f64(src))
+    close(gpu, d, ref, np.float32)

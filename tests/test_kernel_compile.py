@@ -1,0 +1,80 @@
+"""Every kernel family compiles for sm_90a with NVRTC, without a GPU, and ptxas reports no spills.
+
+Runs in CI on the CPU machine: NVRTC (cuda-bindings + nvidia-cuda-nvrtc) and the CUDA headers
+(nvidia-cuda-runtime) are all it needs. Each family is compiled with exactly the template
+instantiations the backend launches (compiler.FAMILIES), with `--ptxas-options=-v`, and the
+log is checked per kernel: no spill stores or loads and no stack frame.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (and nvidia-cuda-nvrtc)")
+
+from kiln.backend.cuda import compiler  # noqa: E402
+from kiln.backend.cuda.compiler import FAMILIES, KERNEL_DIR, KernelCompileError  # noqa: E402
+
+ARCH = "sm_90a"
+
+
+def _headers_present() -> bool:
+    return any((__import__("pathlib").Path(d) / "cuda_bf16.h").exists() for d in compiler.cuda_include_dirs())
+
+
+if not _headers_present():
+    pytest.skip("CUDA headers (cuda_bf16.h) not found: pip install nvidia-cuda-runtime", allow_module_level=True)
+
+
+def test_every_kernel_file_is_a_registered_family():
+    on_disk = {p.name for p in KERNEL_DIR.glob("*.cu")}
+    assert on_disk == set(FAMILIES), f"kernels/ has {sorted(on_disk)}, FAMILIES lists {sorted(FAMILIES)}"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return {}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_compiles_without_spills(family, compiled):
+    result = compiler.compile_family(family, ARCH, verbose_ptxas=True)
+    compiled[family] = result
+    assert result.cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    assert set(result.lowered) == set(FAMILIES[family])
+    report = compiler.ptxas_report(result.log)
+    by_expr = {expr: report.get(mangled) for expr, mangled in result.lowered.items()}
+    missing = [e for e, r in by_expr.items() if r is None]
+    assert not missing, f"ptxas reported nothing for {missing}\n{result.log}"
+    bad = {e: r for e, r in by_expr.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
+    assert not bad, "register spills or stack frames:\n" + "\n".join(f"  {e}: {r}" for e, r in sorted(bad.items()))
+    for e, r in by_expr.items():
+        assert r["registers"] is not None and r["registers"] <= 255, (e, r)
+
+
+def test_compile_error_names_the_family_and_carries_the_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiler, "KERNEL_DIR", tmp_path)
+    monkeypatch.setitem(compiler.FAMILIES, "broken.cu", ["broken<float>"])
+    (tmp_path / "broken.cu").write_text("template <typename T> __global__ void broken(T* x) { x[0] = undefined_name; }\n")
+    with pytest.raises(KernelCompileError) as e:
+        compiler.compile_family("broken.cu", ARCH)
+    assert "broken.cu" in str(e.value) and "undefined_name" in str(e.value)
+
+
+def test_ptxas_report_parses_spills():
+    log = ("ptxas info    : Compiling entry function '_Z1kPf' for 'sm_90a'\n"
+           "ptxas info    : Function properties for _Z1kPf\n"
+           "ptxas         .     16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads\n"
+           "ptxas info    : Used 64 registers, used 0 barriers\n")
+    assert compiler.ptxas_report(log) == {"_Z1kPf": {"registers": 64, "stack": 16, "spill_stores": 12,
+                                                     "spill_loads": 8}}
+
+
+def test_cache_key_changes_with_source(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiler, "KERNEL_DIR", tmp_path)
+    monkeypatch.setitem(compiler.FAMILIES, "k.cu", ["k"])
+    (tmp_path / "k.cu").write_text("__global__ void k() {}\n")
+    a = compiler.cache_key("k.cu", ARCH)
+    (tmp_path / "k.cu").write_text("__global__ void k() { }\n")
+    assert compiler.cache_key("k.cu", ARCH) != a
+    assert compiler.cache_key("k.cu", "sm_80") != compiler.cache_key("k.cu", ARCH)
