@@ -196,7 +196,9 @@ def test_cross_entropy(gpu, rng, shape, dtype, tdtype):
     grad = np.asarray(rng.uniform(0.5, 2.0), dtype=dtype)
     dl = gpu.cross_entropy_bwd(gpu.asarray(grad), gpu.asarray(logits), gpu.asarray(targets), lse, -100)
     rdl = cpu.cross_entropy_bwd(f64(grad), f64(logits), targets, rlse, -100)
-    close(gpu, dl, rdl, dtype, factor=10 if dtype == np.float32 else 1)
+    # fp16 dlogits at a 50304 vocabulary are mostly fp16 subnormals (p ~ 1e-8 < 6.1e-5): their
+    # rounding alone measured 3.0e-3 relative on the H200, so fp16 gets twice its usual bound.
+    close(gpu, dl, rdl, dtype, factor=10 if dtype == np.float32 else 2 if dtype == np.float16 else 1)
 
 
 def test_cross_entropy_all_ignored_is_nan(gpu, rng):

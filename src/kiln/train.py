@@ -240,6 +240,8 @@ class Trainer:
                 else:
                     row = self.train_step()
                 dt = time.perf_counter() - t0
+                if self.step == 1 and self.device.type == "cuda":
+                    self.device.backend.end_warmup()  # the paper's §5 allocator: learn, then flush step 0
                 row["tokens_per_s"] = tokens_per_step / dt
                 row["elapsed_s"] = time.perf_counter() - start
                 if self.step % c.eval_interval == 0 or self.step == c.max_steps:
