@@ -7,32 +7,30 @@ from kiln.ops.elementwise import Fresh
 from kiln.ops.shape import _dim, transpose
 
 
-class Softmax(Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = x.backend.softmax_fwd(x.data)
+class _RowSoftmax(Function):
+    """softmax or log_softmax over the last axis; the backward needs only the saved output."""
+
+    kernel = ""
+
+    @classmethod
+    def forward(cls, ctx, x):
+        y = getattr(x.backend, cls.kernel + "_fwd")(x.data)
         ctx.save_for_backward(Fresh(y))
         ctx.backend = x.backend
         return y
 
-    @staticmethod
-    def backward(ctx, g):
+    @classmethod
+    def backward(cls, ctx, g):
         (y,) = ctx.saved
-        return ctx.backend.softmax_bwd(g, y)
+        return getattr(ctx.backend, cls.kernel + "_bwd")(g, y)
 
 
-class LogSoftmax(Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = x.backend.log_softmax_fwd(x.data)
-        ctx.save_for_backward(Fresh(y))
-        ctx.backend = x.backend
-        return y
+class Softmax(_RowSoftmax):
+    kernel = "softmax"
 
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved
-        return ctx.backend.log_softmax_bwd(g, y)
+
+class LogSoftmax(_RowSoftmax):
+    kernel = "log_softmax"
 
 
 def _along(fn, x, dim):
