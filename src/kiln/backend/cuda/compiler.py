@@ -291,17 +291,17 @@ def _load_module(family: str):
 def _load_module_uncached(family, arch):
     import cupy
     try:
-        import cuda.bindings.nvrtc  # noqa: F401
-        have_bindings = True
-    except ImportError:
-        have_bindings = False
-    if have_bindings:
         compiled = _load_or_compile(family, arch)
+    except KernelCompileError:
+        raise
+    except (ImportError, OSError, RuntimeError):
+        compiled = None  # no usable cuda.bindings NVRTC here: let CuPy's NVRTC compile it
+    if compiled is not None:
         module = cupy.cuda.function.Module()
         module.load(compiled.cubin)
         return ("module", module, compiled.lowered)
-    # Without cuda.bindings, CuPy's own NVRTC compiles the same source (and caches it on disk
-    # in ~/.cupy/kernel_cache, keyed by source and options).
+    # CuPy compiles the same source with the same options (and caches the result on disk in
+    # ~/.cupy/kernel_cache, keyed by source and options).
     opts = tuple(o for o in nvrtc_options(arch) if not o.startswith("--gpu-architecture"))
     try:
         module = cupy.RawModule(code=family_source(family), options=opts,
