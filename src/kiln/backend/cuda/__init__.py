@@ -76,11 +76,10 @@ def zeros(shape, dtype):
 
 def scatter_add(dst, index, src) -> None:
     """dst[index] += src with repeated indices adding up (atomics: order, so low bits, may vary)."""
-    import cupyx
     stream()
     if dst.dtype in (np.float32, np.float64, np.int32, np.int64, np.uint32, np.uint64):
-        cupyx.scatter_add(dst, index, src.astype(dst.dtype, copy=False) if hasattr(src, "astype") else src)
+        xp.add.at(dst, index, src.astype(dst.dtype, copy=False) if hasattr(src, "astype") else src)
         return
-    acc = dst.astype(np.float32)
-    cupyx.scatter_add(acc, index, src.astype(np.float32) if hasattr(src, "astype") else src)
+    acc = dst.astype(np.float32)  # no atomics in this dtype: accumulate in float32
+    xp.add.at(acc, index, src.astype(np.float32) if hasattr(src, "astype") else src)
     dst[...] = acc.astype(dst.dtype)

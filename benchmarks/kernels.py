@@ -1,0 +1,257 @@
+"""kiln's CUDA kernels against PyTorch on the same GPU, in one process, at the paper's shapes.
+
+    python benchmarks/kernels.py [--iters 50] [--only gelu,layer_norm,...]
+
+Per kernel family and dtype: median milliseconds of kiln and of PyTorch, and the GB/s of the
+bytes that must move (memory-bound kernels) or TFLOP/s (attention). Prints a table and writes
+benchmarks/results/kernels-<date>.json with the commit, the device, the command and every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def median_ms(fn, iters: int, stream_kind: str, warmup: int = 3) -> float:
+    """Median over `iters` of one call, timed with events on the stream the work runs on."""
+    if stream_kind == "kiln":
+        import cupy
+        from kiln.backend.cuda import device
+        s = device.stream()
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(s)
+            fn()
+            b.record(s)
+            b.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(a, b))
+    else:
+        import torch
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def _torch_dtype(dtype):
+    import torch
+    return torch.bfloat16 if np.dtype(dtype) == BF16 else torch.float32
+
+
+def bench_gelu(k, iters):
+    import torch
+    import torch.nn.functional as F
+    out = []
+    shape = (16, 1024, 3072)
+    n = math.prod(shape)
+    for dtype in (np.float32, BF16):
+        x = k.rng_normal(k.new_generator(0), shape, dtype)
+        g = k.rng_normal(k.new_generator(1), shape, dtype)
+        tx = torch.randn(shape, device="cuda", dtype=_torch_dtype(dtype))
+        tg = torch.randn_like(tx)
+        item = np.dtype(dtype).itemsize
+        for name, kfn, tfn, nbytes in (
+                ("fwd", lambda: k.gelu_fwd(x), lambda: F.gelu(tx, approximate="tanh"), 2 * n * item),
+                ("bwd", lambda: k.gelu_bwd(g, x),
+                 lambda: torch.ops.aten.gelu_backward(tg, tx, approximate="tanh"), 3 * n * item)):
+            out.append(_row("gelu", name, dtype, shape, kfn, tfn, iters, nbytes=nbytes))
+    return out
+
+
+def bench_layer_norm(k, iters):
+    import torch
+    import torch.nn.functional as F
+    out = []
+    n, c = 16384, 768
+    for dtype in (np.float32, BF16):
+        gen = k.new_generator(0)
+        x, g = k.rng_normal(gen, (n, c), dtype), k.rng_normal(gen, (n, c), dtype)
+        w, b = k.rng_normal(gen, (c,), dtype), k.rng_normal(gen, (c,), dtype)
+        _, mean, rstd = k.layer_norm_fwd(x, w, b, 1e-5)
+        td = _torch_dtype(dtype)
+        tx, tg = torch.randn(n, c, device="cuda", dtype=td), torch.randn(n, c, device="cuda", dtype=td)
+        tw, tb = torch.randn(c, device="cuda", dtype=td), torch.randn(c, device="cuda", dtype=td)
+        _, tmean, trstd = torch.ops.aten.native_layer_norm(tx, [c], tw, tb, 1e-5)
+        item = np.dtype(dtype).itemsize
+        out.append(_row("layer_norm", "fwd", dtype, (n, c), lambda: k.layer_norm_fwd(x, w, b, 1e-5),
+                        lambda: F.layer_norm(tx, [c], tw, tb, 1e-5), iters, nbytes=2 * n * c * item))
+        out.append(_row("layer_norm", "bwd", dtype, (n, c),
+                        lambda: k.layer_norm_bwd(g, x, w, mean, rstd, True, True),
+                        lambda: torch.ops.aten.native_layer_norm_backward(tg, tx, [c], tmean, trstd, tw, tb,
+                                                                          [True, True, True]),
+                        iters, nbytes=3 * n * c * item))
+    return out
+
+
+def bench_cross_entropy(k, iters):
+    import torch
+    import torch.nn.functional as F
+    out = []
+    n, v = 16384, 50304
+    for dtype in (np.float32, BF16):
+        gen = k.new_generator(0)
+        logits = k.rng_normal(gen, (n, v), dtype)
+        targets = k.asarray(np.random.default_rng(0).integers(0, v, n))
+        tl = torch.randn(n, v, device="cuda", dtype=_torch_dtype(dtype), requires_grad=True)
+        tt = torch.randint(0, v, (n,), device="cuda")
+        item = np.dtype(dtype).itemsize
+
+        def kiln_fwd_bwd():
+            loss, lse = k.cross_entropy_fwd(logits, targets, -100)
+            return k.cross_entropy_bwd(loss, logits, targets, lse, -100)
+
+        def torch_fwd_bwd():
+            tl.grad = None
+            F.cross_entropy(tl.float() if dtype == BF16 else tl, tt).backward()
+
+        out.append(_row("cross_entropy", "fwd", dtype, (n, v), lambda: k.cross_entropy_fwd(logits, targets, -100),
+                        lambda: F.cross_entropy(tl.detach().float() if dtype == BF16 else tl.detach(), tt),
+                        iters, nbytes=n * v * item))
+        out.append(_row("cross_entropy", "fwd+bwd", dtype, (n, v), kiln_fwd_bwd, torch_fwd_bwd, iters,
+                        nbytes=3 * n * v * item))
+    return out
+
+
+def gpt2_param_shapes():
+    shapes = [(50304, 768), (1024, 768)]
+    for _ in range(12):
+        shapes += [(768,), (768,), (2304, 768), (2304,), (768, 768), (768,), (768,), (768,),
+                   (3072, 768), (3072,), (768, 3072), (768,)]
+    return shapes + [(768,), (768,)]
+
+
+def bench_adamw(k, iters):
+    import torch
+    shapes = gpt2_param_shapes()
+    nparams = sum(math.prod(s) for s in shapes)
+    gen = k.new_generator(0)
+    ps = [k.rng_normal(gen, s, np.float32) for s in shapes]
+    gs = [k.rng_normal(gen, s, np.float32) for s in shapes]
+    ms = [k.zeros(s, np.float32) for s in shapes]
+    vs = [k.zeros(s, np.float32) for s in shapes]
+    wds = [0.1 if len(s) == 2 else 0.0 for s in shapes]
+    tps = [torch.randn(s, device="cuda", requires_grad=True) for s in shapes]
+    for t in tps:
+        t.grad = torch.randn_like(t)
+    opt = torch.optim.AdamW(tps, lr=1e-4, weight_decay=0.1, fused=True)
+    step = [0]
+
+    def kiln_step():
+        step[0] += 1
+        k.adamw_step(ps, gs, ms, vs, wds, 1e-4, 0.9, 0.95, 1e-8, step[0])
+
+    rows = [_row("adamw", "step", np.float32, (nparams,), kiln_step, opt.step, iters, nbytes=7 * 4 * nparams)]
+    rows.append(_row("grad_norm", "norm", np.float32, (nparams,), lambda: k.grad_norm(gs),
+                     lambda: torch.nn.utils.get_total_norm([t.grad for t in tps]) if hasattr(torch.nn.utils, "get_total_norm")
+                     else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.grad) for t in tps])),
+                     iters, nbytes=4 * nparams))
+    return rows
+
+
+def bench_attention(k, iters):
+    import torch
+    import torch.nn.functional as F
+    out = []
+    shape = (16, 12, 1024, 64)
+    b, h, t, d = shape
+    flops_fwd = 4 * b * h * t * t * d / 2  # causal: half the score matrix
+    for dtype in (np.float32, BF16):
+        gen = k.new_generator(0)
+        q, kk, v, g = (k.rng_normal(gen, shape, dtype) for _ in range(4))
+        scale = 1.0 / math.sqrt(d)
+        o, lse = k.attention_fwd(q, kk, v, scale)
+        td = _torch_dtype(dtype)
+        tq, tk, tv = (torch.randn(shape, device="cuda", dtype=td, requires_grad=True) for _ in range(3))
+        tg = torch.randn(shape, device="cuda", dtype=td)
+
+        def torch_fwd_bwd():
+            F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).backward(tg)
+
+        def kiln_fwd_bwd():
+            out_, lse_ = k.attention_fwd(q, kk, v, scale)
+            return k.attention_bwd(g, q, kk, v, out_, lse_, scale)
+
+        out.append(_row("attention", "fwd", dtype, shape, lambda: k.attention_fwd(q, kk, v, scale),
+                        lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(), is_causal=True),
+                        iters, flops=flops_fwd))
+        out.append(_row("attention", "fwd+bwd", dtype, shape, kiln_fwd_bwd, torch_fwd_bwd, iters,
+                        flops=3.5 * flops_fwd))
+    return out
+
+
+def _row(family, op, dtype, shape, kfn, tfn, iters, nbytes=None, flops=None):
+    kms = median_ms(kfn, iters, "kiln")
+    tms = median_ms(tfn, iters, "torch")
+    row = {"family": family, "op": op, "dtype": np.dtype(dtype).name, "shape": list(shape),
+           "kiln_ms": kms, "torch_ms": tms, "speedup": tms / kms}
+    if nbytes is not None:
+        row.update(bytes=nbytes, kiln_gbps=nbytes / kms / 1e6, torch_gbps=nbytes / tms / 1e6)
+    if flops is not None:
+        row.update(flops=flops, kiln_tflops=flops / kms / 1e9, torch_tflops=flops / tms / 1e9)
+    rate = (f"{row['kiln_gbps']:8.0f} {row['torch_gbps']:8.0f} GB/s" if nbytes is not None
+            else f"{row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} TFLOP/s")
+    print(f"{family:14s} {op:8s} {row['dtype']:9s} {kms:9.3f} {tms:9.3f} {row['speedup']:6.2f}x {rate}", flush=True)
+    return row
+
+
+BENCHES = {"gelu": bench_gelu, "layer_norm": bench_layer_norm, "cross_entropy": bench_cross_entropy,
+           "adamw": bench_adamw, "attention": bench_attention}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--only", default=",".join(BENCHES), help="comma-separated families: " + ",".join(BENCHES))
+    p.add_argument("--out", default=None, help="result file (default benchmarks/results/kernels-<date>.json)")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import torch
+    import kiln
+    if not kiln.cuda_is_available() or not torch.cuda.is_available():
+        print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)
+        return 2
+    k = kiln.backend.get_backend("cuda")
+    print(f"{'family':14s} {'op':8s} {'dtype':9s} {'kiln ms':>9s} {'torch ms':>9s} {'ratio':>7s}  kiln / torch")
+    rows = []
+    for name in args.only.split(","):
+        rows += BENCHES[name.strip()](k, args.iters)
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    result = {"benchmark": "kernels", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
+              "rows": rows}
+    out = Path(args.out) if args.out else root / "benchmarks" / "results" / f"kernels-{datetime.date.today()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
