@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,7 +108,10 @@ def bundled_dataset() -> Path:
     if not (out / "meta.json").is_file():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         prepare([BUNDLED_TEXT], tmp, tokenizer="bytes", val_fraction=0.1, progress=False)
-        tmp.rename(out) if not out.exists() else None
+        try:
+            tmp.rename(out)
+        except OSError:  # another process prepared it first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
