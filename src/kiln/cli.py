@@ -1,4 +1,5 @@
-"""`kiln`: the command line. `kiln train` trains, `kiln sample` generates, `kiln prepare` makes shards.
+"""`kiln`: the command line. `kiln train` trains (`--resume RUN` continues one), `kiln sample`
+generates, `kiln prepare` makes shards, `kiln export` / `kiln import` convert to / from Hugging Face.
 
 Bad input ends with the KilnError's message on stderr and exit status 2, with no traceback.
 """
@@ -34,12 +35,24 @@ def _train(args) -> int:
     from kiln.train import TrainConfig, Trainer
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    cfg = TrainConfig(**given, model_overrides=_parse_overrides(args.set))
-    trainer = Trainer(cfg)
+    if args.resume:
+        if args.set:
+            raise ConfigError(f"--set {args.set[0]}: a resumed run keeps its checkpoint's model")
+        trainer = Trainer.from_checkpoint(args.resume, **given)
+        cfg = trainer.config
+        print(f"kiln: resuming {args.resume} at step {trainer.step} from {trainer.resumed_from}", flush=True)
+    else:
+        cfg = TrainConfig(**given, model_overrides=_parse_overrides(args.set))
+        trainer = Trainer(cfg)
     print(f"kiln: training {cfg.model} ({trainer.model.num_parameters() / 1e6:.2f}M parameters) on "
           f"{trainer.device}, data {trainer.data_dir}, {cfg.max_steps} steps of "
           f"{cfg.batch_size}x{trainer.seq_len} tokens", flush=True)
     s = trainer.fit()
+    if s.get("interrupted"):
+        saved = f"saved {s['checkpoint']}; continue with `kiln train --resume {s['run_dir']}`" \
+            if s["checkpoint"] else "no step had finished, nothing to save"
+        print(f"kiln: stopped by {s['interrupted']} after step {s['steps']}; {saved}", file=sys.stderr)
+        return 130 if s["interrupted"] == "SIGINT" else 143
     print(f"validation loss {s['final_val_loss']:.4f} nats/token; unigram entropy of the training "
           f"data {s['unigram_entropy']:.4f} nats/token")
     print(f"throughput {s['tokens_per_s']:.0f} tokens/s, {s['elapsed_s']:.1f} s; run folder {s['run_dir']}")
@@ -58,6 +71,26 @@ def _sample(args) -> int:
                          top_k=args.top_k, generator=np.random.default_rng(args.seed),
                          vocab_limit=tok.vocab_size)
     print(tok.decode(out.numpy()[0].tolist()))
+    return 0
+
+
+def _export(args) -> int:
+    from kiln.checkpoint import export_hf
+    from kiln.train import load_run
+    if args.format != "hf":
+        raise ConfigError(f"--format {args.format!r}: allowed: hf")
+    model, _, _ = load_run(args.run_dir)
+    out = export_hf(model, args.out, vocab_size=args.vocab_size, tokenizer_dir=args.run_dir)
+    print(f"kiln: wrote a Hugging Face GPT2LMHeadModel to {out} (vocab_size "
+          f"{args.vocab_size or model.config.vocab_size})")
+    return 0
+
+
+def _import(args) -> int:
+    from kiln.checkpoint.hf import import_hf_run
+    run = import_hf_run(args.hf_dir, args.out, pad_vocab_to=args.pad_vocab)
+    print(f"kiln: imported {args.hf_dir} into {run}; fine-tune it with "
+          f"`kiln train --init-from {run} --data ...`")
     return 0
 
 
@@ -85,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     t.add_argument("--profile", action="store_true", default=None,
                    help="profile steps 3-5: a Chrome trace (trace.json) and a table of kernels")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest good checkpoint")
+    t.add_argument("--checkpoint-interval", type=int, help="checkpoint every N steps (default 0: at the end)")
+    t.add_argument("--keep-checkpoints", type=int, help="keep the newest K checkpoints (default 3)")
+    t.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false", default=None,
+                   help="write checkpoints in the training thread, not in the background")
+    t.add_argument("--init-from", help="start from the weights of a kiln run or a Hugging Face GPT-2 folder")
     t.set_defaults(run=_train)
 
     s = sub.add_parser("sample", help="generate text from a trained run")
@@ -100,6 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="turn text into token shards")
     add_prepare_arguments(pr)
     pr.set_defaults(run=run_prepare)
+
+    e = sub.add_parser("export", help="write a run's model in another framework's format")
+    e.add_argument("run_dir")
+    e.add_argument("--format", default="hf", help="hf: a Hugging Face GPT2LMHeadModel folder (default)")
+    e.add_argument("out", help="the folder to write")
+    e.add_argument("--vocab-size", type=int, default=None,
+                   help="slice the (padded) vocabulary to N rows, e.g. 50257 (default: keep it)")
+    e.set_defaults(run=_export)
+
+    i = sub.add_parser("import", help="make a kiln run folder from a Hugging Face GPT-2 folder")
+    i.add_argument("hf_dir")
+    i.add_argument("--out", required=True, help="the run folder to write")
+    i.add_argument("--pad-vocab", type=int, default=None, metavar="M",
+                   help="pad the vocabulary with zero rows to a multiple of M (e.g. 64: 50257 -> 50304)")
+    i.set_defaults(run=_import)
     return p
 
 

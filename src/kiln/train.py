@@ -6,15 +6,19 @@
 A Trainer checks its whole configuration before it writes anything, then trains with AdamW
 (warm-up + cosine schedule, global-norm clipping, gradient accumulation), evaluates on the
 held-out split, and fills one run folder: config.json, metrics.jsonl, loss.png, model
-weights, the tokenizer and a sample.
+weights, the tokenizer, a sample and checkpoints/ (kiln.checkpoint: the whole state, so
+`Trainer.from_checkpoint` / `kiln train --resume` continue bit for bit; SIGINT/SIGTERM save first).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +61,10 @@ class TrainConfig:
     sample_prompt: str = "The "
     progress: bool = True
     profile: bool = False                    # profile steps 3-5: trace.json + profile.txt in the run
+    checkpoint_interval: int = 0             # checkpoint every N steps; 0: only at the end (and on SIGINT/SIGTERM)
+    keep_checkpoints: int = 3                # the run folder keeps the newest K checkpoints
+    async_checkpoint: bool = True            # write checkpoints on a background thread
+    init_from: str | None = None             # start from these weights: a kiln run or a Hugging Face GPT-2 folder
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
@@ -76,6 +84,11 @@ class TrainConfig:
             raise ConfigError(f"unknown precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
         if self.sample_tokens < 0:
             raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 0:
+            raise ConfigError(f"checkpoint_interval must be an integer >= 0 (0: only at the end), "
+                              f"got {self.checkpoint_interval!r}")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {self.keep_checkpoints!r}")
 
 
 def resolve_device(name: str):
@@ -139,6 +152,9 @@ class Trainer:
         self.data_dir = data
         self.tokenizer = load_tokenizer(data)
         overrides = dict(config.model_overrides)
+        pretrained = load_pretrained(config.init_from) if config.init_from else None
+        if pretrained is not None:  # the weights fix the architecture; explicit overrides (dropout) win
+            overrides = {**dataclasses.asdict(pretrained.config), **overrides}
         meta_vocab = json.loads((data / "meta.json").read_text()).get("padded_vocab_size") \
             if (data / "meta.json").is_file() else None
         if meta_vocab and "vocab_size" not in overrides:
@@ -157,11 +173,17 @@ class Trainer:
         kiln.manual_seed(config.seed)
         self.model = GPT(self.model_config, generator=kiln.Generator(config.seed))
         self.model.to(self.device, dtype="float64" if config.precision == "fp64" else "float32")
+        if pretrained is not None:
+            self.model.load_state_dict(pretrained.state_dict())
         apply_precision(self.model, config.precision, self.device)
         self.optimizer = AdamW(gpt_param_groups(self.model, config.weight_decay), lr=config.lr,
                                betas=config.betas, eps=config.eps)
         self.step = 0
         self.run_dir: Path | None = None
+        self.last_loss: float | None = None
+        self.sample_rng = np.random.default_rng(0)  # the sampling RNG; a checkpoint keeps its state
+        self.stop_signal: int | None = None        # SIGINT/SIGTERM received: stop after this step
+        self.checkpoint_stalls: list[float] = []   # seconds each checkpoint held up training
 
     # ------------------------------------------------------------------ steps
     def lr_at(self, step: int) -> float:
@@ -185,6 +207,7 @@ class Trainer:
             _, loss = self.model(x, y)
             (loss / c.grad_accum).backward() if c.grad_accum > 1 else loss.backward()
             total += loss.item() / c.grad_accum
+        self.last_loss = total
         norm = clip_grad_norm_(self.model.parameters(), c.grad_clip) if c.grad_clip > 0 else None
         self.optimizer.step()
         self.step += 1
@@ -203,10 +226,11 @@ class Trainer:
         self.model.train()
         return float(np.mean(losses))
 
-    def sample(self, prompt: str, tokens: int, seed: int = 0) -> str:
+    def sample(self, prompt: str, tokens: int, seed: int | None = None) -> str:
+        """Text after prompt; seed None draws from the trainer's sampling RNG (saved in checkpoints)."""
         ids = self.tokenizer.encode(prompt) or [0]
         out = self.model.generate(kiln.tensor([ids], device=self.device), tokens, temperature=0.8,
-                                  generator=np.random.default_rng(seed),
+                                  generator=self.sample_rng if seed is None else np.random.default_rng(seed),
                                   vocab_limit=self.tokenizer.vocab_size)
         return self.tokenizer.decode(out.numpy()[0].tolist())
 
@@ -226,18 +250,26 @@ class Trainer:
         """Train for max_steps, evaluating every eval_interval steps; returns the run's summary."""
         from tqdm import tqdm
         c = self.config
-        self.run_dir = run = self._make_run_dir()
-        self.tokenizer.save(run)
-        (run / "config.json").write_text(json.dumps(
-            {"train": _jsonable(dataclasses.asdict(c)), "model": dataclasses.asdict(self.model_config),
-             "data": str(self.data_dir), "device": str(self.device), "kiln": kiln.__version__}, indent=2))
+        resumed = self.run_dir is not None  # Trainer.from_checkpoint: continue that run folder
+        if not resumed:
+            self.run_dir = self._make_run_dir()
+            self.tokenizer.save(self.run_dir)
+            (self.run_dir / "config.json").write_text(json.dumps(
+                {"train": _jsonable(dataclasses.asdict(c)), "model": dataclasses.asdict(self.model_config),
+                 "data": str(self.data_dir), "device": str(self.device), "kiln": kiln.__version__}, indent=2))
+        run = self.run_dir
         entropy = unigram_entropy(self.train_loader.paths, self.tokenizer.vocab_size)
         tokens_per_step = c.batch_size * self.seq_len * c.grad_accum
-        history, evals = [], []
+        history = self._logged_rows(run / "metrics.jsonl") if resumed else []
+        evals = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+        checkpoints, saver, saved = self._checkpointing(run)
         start = time.perf_counter()
-        with open(run / "metrics.jsonl", "w") as log, \
-                tqdm(total=c.max_steps, disable=not c.progress, unit="step", dynamic_ncols=True) as bar:
-            while self.step < c.max_steps:
+        with open(run / "metrics.jsonl", "a" if resumed else "w") as log, self._stop_on_signals(), \
+                tqdm(total=c.max_steps, initial=self.step, disable=not c.progress, unit="step",
+                     dynamic_ncols=True) as bar:
+            while self.step < c.max_steps and self.stop_signal is None:
+                if saver is not None:
+                    saver.check()  # a failed background save is reported here, at the next step
                 t0 = time.perf_counter()
                 if c.profile and self.step == min(2, c.max_steps - 1):
                     row = self._profiled_steps(min(3, c.max_steps - self.step), run)
@@ -258,7 +290,19 @@ class Trainer:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}",
                                 val=f"{evals[-1][1]:.3f}" if evals else "-",
                                 tok_s=f"{row['tokens_per_s']:.0f}")
+                if c.checkpoint_interval and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
+                        and self.step < c.max_steps and self.stop_signal is None:
+                    saved = self.save_checkpoint(checkpoints, saver)
+            if saved != self.step:  # the end, or a signal: the step is done, save it
+                self.save_checkpoint(checkpoints, saver)
+            if saver is not None:
+                saver.wait()
         elapsed = time.perf_counter() - start
+        if self.stop_signal is not None:
+            plot_losses(history, run / "loss.png", entropy)
+            return {"run_dir": str(run), "steps": self.step, "interrupted": signal.Signals(self.stop_signal).name,
+                    "checkpoint": str(checkpoints.path_for(self.step)) if self.step else None, "elapsed_s": elapsed,
+                    "final_train_loss": self.last_loss}
         self.save_weights(run / "model.safetensors")
         plot_losses(history, run / "loss.png", entropy)
         text = self.sample(c.sample_prompt, c.sample_tokens) if c.sample_tokens else ""
@@ -266,7 +310,8 @@ class Trainer:
         steady = [r["tokens_per_s"] for r in history[len(history) // 5:]] or [history[-1]["tokens_per_s"]]
         summary = {"run_dir": str(run), "steps": self.step, "final_train_loss": history[-1]["loss"],
                    "final_val_loss": evals[-1][1], "unigram_entropy": entropy,
-                   "tokens_per_s": float(np.median(steady)), "elapsed_s": elapsed, "sample": text}
+                   "tokens_per_s": float(np.median(steady)), "elapsed_s": elapsed, "sample": text,
+                   "checkpoint_stall_s": float(np.median(self.checkpoint_stalls)) if self.checkpoint_stalls else None}
         (run / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
@@ -287,18 +332,173 @@ class Trainer:
         save_file({name: np.ascontiguousarray(p.numpy()) for name, p in self.model.named_parameters()},
                   str(path))
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The whole training state, arrays live (not copies): parameters, AdamW moments and step,
+        the trainer's step and epoch, both loaders' positions, every RNG state, the last loss and
+        the configs (paper, Appendix B.14: "parameters, optimizer moments, RNG state, step, epoch,
+        and loss")."""
+        from kiln.random import default_generator
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        optimizer = self.optimizer.state_dict()
+        optimizer["params"] = [names[id(p)] for p in self.optimizer.params]
+        devices = sorted({"cpu", str(self.device)})
+        return {"kind": "kiln.Trainer", "kiln": kiln.__version__, "step": self.step,
+                "epoch": self.train_loader.state_dict()["epoch"], "last_loss": self.last_loss,
+                "device": str(self.device), "precision": self.config.precision,
+                "model": {n: p.data for n, p in self.model.named_parameters()},
+                "optimizer": optimizer,
+                "loaders": {"train": self.train_loader.state_dict(), "val": self.val_loader.state_dict()},
+                "rng": {"default": {d: default_generator(d).get_state() for d in devices},
+                        "sample": self.sample_rng.bit_generator.state},
+                "config": {"train": _jsonable(dataclasses.asdict(self.config)),
+                           "model": dataclasses.asdict(self.model_config)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()`'s state, onto this trainer's device (cpu <-> cuda works; bit
+        for bit on the same device and precision). A checkpoint of another model or data is a
+        CheckpointError that names the difference."""
+        from kiln.checkpoint import CheckpointError
+        from kiln.errors import KilnError
+        from kiln.random import default_generator
+        if not isinstance(state, dict) or state.get("kind") != "kiln.Trainer":
+            raise CheckpointError(f"not a Trainer checkpoint (kind {state.get('kind') if isinstance(state, dict) else state!r})")
+        saved, mine = state["config"]["model"], dataclasses.asdict(self.model_config)
+        if saved != mine:
+            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+            raise CheckpointError(f"the checkpoint's model config does not match this model: "
+                                  f"{diff} (checkpoint, this model)")
+        names = [n for n, _ in self.model.named_parameters()]
+        order = {id(p): n for n, p in self.model.named_parameters()}
+        if state["optimizer"].get("params") != [order[id(p)] for p in self.optimizer.params]:
+            raise CheckpointError("the checkpoint's optimizer holds other parameters than this model's "
+                                  f"({len(state['optimizer'].get('params') or [])} vs {len(names)})")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.train_loader.load_state_dict(state["loaders"]["train"])
+            self.val_loader.load_state_dict(state["loaders"]["val"])
+        except CheckpointError:
+            raise
+        except KilnError as e:
+            raise CheckpointError(f"cannot continue from this checkpoint: {e}") from e
+        self.step, self.last_loss = int(state["step"]), state["last_loss"]
+        restored = set()
+        for name, rng_state in state["rng"]["default"].items():
+            dev = parse_device(name)
+            if dev.type == "cpu" or dev == self.device:
+                default_generator(dev).set_state(rng_state)
+                restored.add(dev)
+        if self.device not in restored:  # from another device type: its RNG cannot carry over
+            default_generator(self.device).manual_seed(self.config.seed + self.step)
+        self.sample_rng.bit_generator.state = state["rng"]["sample"]
+
+    @classmethod
+    def from_checkpoint(cls, run_dir, report=None, **overrides) -> "Trainer":
+        """A Trainer that continues the run in run_dir from its newest good checkpoint (a corrupt
+        newest one is reported and the previous good one used). overrides may change RESUME_OVERRIDES."""
+        from kiln.checkpoint import CheckpointError, CheckpointFolder
+        run = Path(run_dir)
+        if not (run / "checkpoints").is_dir():
+            raise CheckpointError(f"{run} is not a kiln run folder with checkpoints (no {run / 'checkpoints'})")
+        bad = sorted(set(overrides) - set(RESUME_OVERRIDES))
+        if bad:
+            raise ConfigError(f"a resumed run keeps its checkpoint's settings; {bad} cannot change; "
+                              f"allowed: {', '.join(RESUME_OVERRIDES)}")
+        state, path = CheckpointFolder(run / "checkpoints").load_latest(report)
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        train = {k: v for k, v in state["config"]["train"].items() if k in fields}
+        train.update(overrides, init_from=None, betas=tuple(train["betas"]),
+                     model_overrides=state["config"]["model"])  # the checkpoint fixes the model
+        trainer = cls(TrainConfig(**train))
+        trainer.load_state_dict(state)
+        trainer.run_dir, trainer.resumed_from = run, path
+        return trainer
+
+    def save_checkpoint(self, checkpoints, saver=None) -> int:
+        """Save the state as checkpoints/ckpt-<step>.kiln, in the background when a saver is given
+        (the step waits only for the host copy); returns the step saved."""
+        from kiln.checkpoint import save
+        from kiln.checkpoint.async_save import to_host
+        path = checkpoints.path_for(self.step)
+        if saver is not None:
+            self.checkpoint_stalls.append(saver.save(path, self.state_dict(), on_done=checkpoints.commit))
+        else:
+            t0 = time.perf_counter()
+            checkpoints.commit(save(path, to_host(self.state_dict())))
+            self.checkpoint_stalls.append(time.perf_counter() - t0)
+        return self.step
+
+    def _checkpointing(self, run: Path):
+        """(folder, saver or None, the step already saved: this one) for fit()."""
+        from kiln.checkpoint import AsyncSaver, CheckpointFolder
+        checkpoints = CheckpointFolder(run / "checkpoints", self.config.keep_checkpoints)
+        checkpoints.prepare()
+        return checkpoints, AsyncSaver() if self.config.async_checkpoint else None, self.step
+
+    def _logged_rows(self, metrics: Path) -> list[dict]:
+        """The metrics rows up to this (resumed) step; later ones, of steps to be redone, are dropped."""
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+            if metrics.is_file() else []
+        rows = [r for r in rows if r["step"] <= self.step]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return rows
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self):
+        """SIGINT/SIGTERM during fit() finish the step, save and return; a second SIGINT raises
+        KeyboardInterrupt at once (the previous checkpoint stays: saves are atomic)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self.stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints",
+                    "async_checkpoint", "eval_interval", "sample_tokens")
+
+
+def load_pretrained(path) -> GPT:
+    """A GPT (on the CPU) from a kiln run folder or a Hugging Face GPT-2 folder, for init_from."""
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"init_from {str(folder)!r}: not a kiln run or Hugging Face folder "
+                          "(no readable config.json)") from None
+    if config.get("model_type") == "gpt2":
+        from kiln.checkpoint import import_hf
+        return import_hf(folder)
+    return load_run(folder)[0]
+
 
 def load_run(run_dir) -> tuple[GPT, object, dict]:
     """(model, tokenizer, config) of a finished run folder, on the CPU."""
     from safetensors.numpy import load_file
     from kiln.data.tokenizer import load_tokenizer
     run = Path(run_dir)
+    checkpoints = run / "checkpoints"
     for name in ("config.json", "model.safetensors"):
-        if not (run / name).is_file():
+        if not (run / name).is_file() and not (name == "model.safetensors" and checkpoints.is_dir()):
             raise DataError(f"{run} is not a finished kiln run: it has no {name}")
     config = json.loads((run / "config.json").read_text())
     model = GPT(GPTConfig(**config["model"]))
-    weights = load_file(str(run / "model.safetensors"))
+    if (run / "model.safetensors").is_file():
+        weights = load_file(str(run / "model.safetensors"))
+    else:  # an interrupted run: the weights of its newest good checkpoint
+        from kiln.checkpoint import CheckpointFolder
+        weights = CheckpointFolder(checkpoints).load_latest()[0]["model"]
     model.to(dtype=next(iter(weights.values())).dtype)
     model.load_state_dict(weights)
     return model, load_tokenizer(run), config
@@ -329,4 +529,4 @@ def _jsonable(d: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
-__all__ = ["TrainConfig", "Trainer", "load_run", "plot_losses", "unigram_entropy"]
+__all__ = ["TrainConfig", "Trainer", "load_run", "load_pretrained", "plot_losses", "unigram_entropy"]

@@ -1,0 +1,231 @@
+"""kiln's checkpoint save/load against torch.save/torch.load, same training state, same run
+(the paper's Appendix B.14, Figure 41).
+
+    python benchmarks/checkpoint.py [--repeats 7] [--models gpt2-44m,gpt2-124m] [--dir DIR]
+
+The state is a real Trainer's after one step on the CPU in fp32 (parameters, both AdamW moments,
+step, loader positions, RNG states, loss, configs). Models: "gpt2-44m" is GPT-2 with n_layer=6,
+n_head=8, n_embd=512, vocab 50304, context 1024 (45.2M parameters); "gpt2-124m" is the paper's.
+
+Figures, each the median of --repeats, kiln and PyTorch interleaved so machine noise hits both:
+  kiln save        kiln.checkpoint.save: CRC-32 per 4 MiB chunk + sha256 of the header, temp file,
+                   fsync, rename, fsync folder
+  kiln load        kiln.checkpoint.load: read + every checksum verified (from the page cache)
+  kiln async stall AsyncSaver.save: the time the training loop waits (host snapshot); the
+                   background write's total is reported too
+  torch save       torch.save to a file + fsync (the durability a crash-safe checkpoint needs)
+  ... load cold    the same after evicting the file from the page cache (posix_fadvise)
+  torch load       torch.load (weights_only). torch.load does not check its zip CRC32s (a flipped
+                   byte loads silently), so "torch+sha256" adds what integrity costs PyTorch: a
+                   sha256 of the file after saving and before loading.
+Every loaded state is compared with the saved one, bit for bit, outside the timings.
+Targets: kiln save and load no slower than torch's; the async stall under 10% of torch's save.
+Writes benchmarks/results/checkpoint-<date>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"gpt2-44m": dict(model="gpt2-124m", model_overrides={"n_layer": 6, "n_head": 8, "n_embd": 512,
+                                                                "vocab_size": 50304}),
+          "gpt2-124m": dict(model="gpt2-124m", model_overrides={"vocab_size": 50304})}
+
+
+def trainer_state(name: str):
+    """A Trainer's full state after one step: (Trainer, state with live arrays)."""
+    from kiln.train import TrainConfig, Trainer
+    t = Trainer(TrainConfig(**MODELS[name], batch_size=1, seq_len=64, device="cpu", progress=False,
+                            sample_tokens=0, eval_iters=1))
+    t.train_step()
+    return t, t.state_dict()
+
+
+def to_torch(node):
+    import torch
+    if isinstance(node, np.ndarray):
+        return torch.from_numpy(node)
+    if isinstance(node, dict):
+        return {k: to_torch(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [to_torch(v) for v in node]
+    return node
+
+
+def same(a, b) -> bool:
+    """Bit-equal trees (NumPy or torch leaves; tuples and lists alike)."""
+    if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
+        a = a.numpy()
+    if hasattr(b, "numpy") and not isinstance(b, np.ndarray):
+        b = b.numpy()
+    if isinstance(a, np.ndarray):
+        if not (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        bits = f"u{a.dtype.itemsize}" if a.dtype.itemsize in (1, 2, 4, 8) else None
+        return bool(np.array_equal(a.view(bits), b.view(bits))) if bits else a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def file_sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def drop_cache(path) -> None:
+    """Evict one (fsync'd) file from the page cache, so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def bench_model(name: str, repeats: int, folder: Path) -> dict:
+    import torch
+    from kiln.checkpoint import AsyncSaver, load, save
+    from kiln.checkpoint.async_save import to_host
+    trainer, state = trainer_state(name)
+    params = trainer.model.num_parameters()
+    reference = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state["model"].items()}
+    tstate = to_torch(state)
+    kpath, tpath = folder / f"{name}.kiln", folder / f"{name}.pt"
+    saver = AsyncSaver()
+    fig = {k: [] for k in ("kiln_save", "kiln_load", "kiln_load_cold", "kiln_async_stall", "kiln_async_total",
+                           "torch_save", "torch_save_nofsync", "torch_load", "torch_load_cold",
+                           "torch_sha_save", "torch_sha_load")}
+
+    def torch_save():
+        with open(tpath, "wb") as f:
+            torch.save(tstate, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    first_stall = None
+    for r in range(repeats + 1):  # round 0 warms the page cache, the staging buffers and the allocator
+        order = ["kiln", "torch"] if r % 2 else ["torch", "kiln"]
+        row = {}
+        for who in order:
+            if who == "kiln":
+                row["kiln_save"], _ = timed(lambda: save(kpath, to_host(state)))
+                row["kiln_load"], back = timed(lambda: load(kpath))
+                assert same(back, state), "kiln load differs from the saved state"
+                del back
+                drop_cache(kpath)
+                row["kiln_load_cold"], back = timed(lambda: load(kpath))
+                assert same(back["model"], reference)
+                del back
+                t0 = time.perf_counter()
+                row["kiln_async_stall"] = saver.save(kpath, state)
+                saver.wait()
+                row["kiln_async_total"] = time.perf_counter() - t0
+                first_stall = row["kiln_async_stall"] if first_stall is None else first_stall
+                assert same(load(kpath)["model"], reference), "async save differs from the snapshot"
+            else:
+                row["torch_save"], _ = timed(torch_save)
+                row["torch_load"], back = timed(lambda: torch.load(tpath, weights_only=True))
+                assert same(back, tstate), "torch load differs from the saved state"
+                del back
+                drop_cache(tpath)
+                row["torch_load_cold"], back = timed(lambda: torch.load(tpath, weights_only=True))
+                assert same(back, tstate)
+                del back
+                t0 = time.perf_counter()
+                with open(tpath, "wb") as f:
+                    torch.save(tstate, f)
+                row["torch_save_nofsync"] = time.perf_counter() - t0
+                dt, _ = timed(torch_save)
+                hs, digest = timed(lambda: file_sha256(tpath))
+                row["torch_sha_save"] = dt + hs
+                row["torch_sha_load"], ok = timed(lambda: file_sha256(tpath) == digest and
+                                                  torch.load(tpath, weights_only=True))
+                assert ok is not False and same(ok, tstate)
+                del ok
+        if r:
+            for k, v in row.items():
+                fig[k].append(v)
+        print(f"  {name} round {r}: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in row.items()) + " ms",
+              flush=True)
+    med = {k: statistics.median(v) for k, v in fig.items()}
+    return {"parameters": params, "kiln_bytes": kpath.stat().st_size, "torch_bytes": tpath.stat().st_size,
+            "median_s": med, "all_s": fig, "first_async_stall_s": first_stall,
+            "ratios": {"kiln_save / torch_save": med["kiln_save"] / med["torch_save"],
+                       "kiln_load / torch_load": med["kiln_load"] / med["torch_load"],
+                       "kiln_load_cold / torch_load_cold": med["kiln_load_cold"] / med["torch_load_cold"],
+                       "kiln_async_stall / torch_save": med["kiln_async_stall"] / med["torch_save"],
+                       "kiln_save / torch_sha_save": med["kiln_save"] / med["torch_sha_save"],
+                       "kiln_load / torch_sha_load": med["kiln_load"] / med["torch_sha_load"]},
+            "targets_met": {"save no slower than torch": med["kiln_save"] <= med["torch_save"],
+                            "load no slower than torch": med["kiln_load"] <= med["torch_load"],
+                            "async stall < 10% of torch save": med["kiln_async_stall"] < 0.1 * med["torch_save"]}}
+
+
+def main() -> None:
+    import torch
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--dir", default=None, help="where the files go (default: a temporary folder)")
+    a = ap.parse_args()
+    folder = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="kiln-ckpt-bench-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    results = {}
+    try:
+        for name in a.models.split(","):
+            results[name] = bench_model(name, a.repeats, folder)
+    finally:
+        if not a.dir:
+            shutil.rmtree(folder, ignore_errors=True)
+    git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    record = {"benchmark": "checkpoint", "date": time.strftime("%Y-%m-%d"),
+              "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "src")),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "python": platform.python_version(), "torch": torch.__version__,
+                          "numpy": np.__version__, "disk": str(folder)},
+              "models": {k: {"n_layer": 6, "n_head": 8, "n_embd": 512, "vocab_size": 50304, "block_size": 1024}
+                         if k == "gpt2-44m" else {"n_layer": 12, "n_head": 12, "n_embd": 768,
+                                                  "vocab_size": 50304, "block_size": 1024} for k in results},
+              "repeats": a.repeats, "results": results}
+    out = ROOT / "benchmarks" / "results" / f"checkpoint-{record['date']}.json"
+    out.write_text(json.dumps(record, indent=2))
+    cols = [("kiln save", "kiln_save"), ("torch save", "torch_save"), ("torch save+sha", "torch_sha_save"),
+            ("kiln load", "kiln_load"), ("torch load", "torch_load"), ("torch sha+load", "torch_sha_load"),
+            ("kiln load cold", "kiln_load_cold"), ("torch load cold", "torch_load_cold"),
+            ("kiln async stall", "kiln_async_stall"), ("kiln async total", "kiln_async_total")]
+    print(f"\n| model | params | file | " + " | ".join(c for c, _ in cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    for name, r in results.items():
+        print(f"| {name} | {r['parameters'] / 1e6:.1f}M | {r['kiln_bytes'] / 1e6:.0f} MB | "
+              + " | ".join(f"{r['median_s'][k] * 1e3:.0f} ms" for _, k in cols) + " |")
+    for name, r in results.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items())
+              + "; targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in r["targets_met"].items()))
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Asynchronous save: the step waits only while the state is copied to host memory; a background
+thread writes the file (the paper's "asynchronous staging path", Appendix B.14).
+
+At most one save is in flight: the next one first waits for it. A background failure is kept and
+raised by the next `check()` (the Trainer calls it every step), never swallowed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kiln.checkpoint.format import CheckpointError, save
+
+_COPY_CHUNK = 32 * 1024 * 1024  # bytes: big copies split so every core helps
+
+
+def _is_cupy(a) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
+def to_host(state):
+    """The tree with CuPy arrays copied to host NumPy arrays and NumPy arrays as they are: what a
+    synchronous save writes (the step is blocked anyway, so host arrays need no copy)."""
+    if _is_cupy(state):
+        return state.get()
+    if isinstance(state, dict):
+        return {k: to_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [to_host(v) for v in state]
+    return state
+
+
+class HostStaging:
+    """Host buffers for a state tree's arrays, kept from save to save.
+
+    Fresh host memory costs a page fault per page at first touch, more than the copy itself, so
+    each array's buffer is allocated once (pinned, for CuPy arrays: the device-to-host copy then
+    runs at full PCIe speed) and reused while the shapes stay the same (they do: section 3's
+    static step)."""
+
+    def __init__(self, threads: int | None = None):
+        self._buffers: dict = {}
+        self._pool = ThreadPoolExecutor(max_workers=threads or max(1, os.cpu_count() or 1),
+                                        thread_name_prefix="kiln-ckpt-copy")
+
+    def _buffer(self, key, a) -> np.ndarray:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != a.shape or buf.dtype != a.dtype:
+            if _is_cupy(a):
+                import cupyx
+                buf = cupyx.empty_pinned(a.shape, dtype=a.dtype)
+            else:
+                buf = np.empty(a.shape, dtype=a.dtype)
+            self._buffers[key] = buf
+        return buf
+
+    def snapshot(self, state):
+        """A copy of the tree whose arrays are host NumPy arrays that training no longer touches."""
+        jobs, device_copies = [], []
+
+        def walk(node, path):
+            if isinstance(node, np.ndarray) or _is_cupy(node):
+                buf = self._buffer(path, node)
+                (device_copies if _is_cupy(node) else jobs).append((buf, node))
+                return buf
+            if isinstance(node, dict):
+                return {k: walk(v, path + (k,)) for k, v in node.items()}
+            if isinstance(node, (list, tuple)):
+                return [walk(v, path + (i,)) for i, v in enumerate(node)]
+            return node
+
+        tree = walk(state, ())
+        if device_copies:
+            # CuPy arrays: asynchronous copies on the current stream (kiln's, so they follow the
+            # step's kernels), into pinned buffers, then one wait for all of them.
+            import cupy
+            stream = cupy.cuda.get_current_stream()
+            for buf, a in device_copies:
+                a.get(stream=stream, out=buf, blocking=False)
+            stream.synchronize()
+        # NumPy arrays: chunked copies on all cores (np.copyto releases the GIL)
+        pieces = []
+        for buf, a in jobs:
+            flat_dst, flat_src = buf.reshape(-1), np.ascontiguousarray(a).reshape(-1)
+            step = max(1, _COPY_CHUNK // max(1, a.dtype.itemsize))
+            pieces += [(flat_dst[i:i + step], flat_src[i:i + step]) for i in range(0, flat_src.size, step)]
+        for fut in [self._pool.submit(np.copyto, d, s) for d, s in pieces]:
+            fut.result()
+        return tree
+
+
+class AsyncSaver:
+    """Save state trees in the background, one at a time; `save` returns the seconds it stalled."""
+
+    def __init__(self):
+        self._staging = HostStaging()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_path = None
+        self.last_result: dict | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, path, state, on_done=None) -> float:
+        """Snapshot `state` to host memory and write it to `path` on a background thread; then
+        call on_done(result) there (e.g. to move the run folder's pointer). Waits first for a
+        save still in flight (and raises its error)."""
+        t0 = time.perf_counter()
+        self.wait()
+        host = self._staging.snapshot(state)
+        self._thread = threading.Thread(target=self._write, args=(path, host, on_done),
+                                        name="kiln-checkpoint-writer", daemon=False)
+        self._thread.start()
+        return time.perf_counter() - t0
+
+    def _write(self, path, host, on_done) -> None:
+        try:
+            result = save(path, host)
+            if on_done is not None:
+                on_done(result)
+            self.last_result = result
+        except BaseException as e:  # kept for check(): a background failure is never swallowed
+            self._error, self._error_path = e, path
+
+    def check(self) -> None:
+        """Raise the error of a background save that failed since the last check."""
+        if self._error is not None:
+            error, path = self._error, self._error_path
+            self._error = self._error_path = None
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(f"the background save of {path} failed: {error}") from error
+            raise CheckpointError(f"the background save of {path} failed: "
+                                  f"{type(error).__name__}: {error}") from error
+
+    def wait(self) -> None:
+        """Block until no save is in flight, then raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
