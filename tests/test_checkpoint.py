@@ -59,7 +59,14 @@ def assert_same(a, b):
 
 
 # ---------------------------------------------------------------------- the file
-def test_round_trip_is_exact_and_the_file_is_safetensors(tmp_path):
+@pytest.fixture(params=[True, False], ids=["O_DIRECT", "buffered"])
+def io_mode(request, monkeypatch):
+    """Both ways of moving blocks: O_DIRECT (where the filesystem allows it) and plain pwrite/preadv."""
+    monkeypatch.setattr(fmt, "DIRECT_IO", request.param and fmt.DIRECT_IO)
+    return request.param
+
+
+def test_round_trip_is_exact_and_the_file_is_safetensors(tmp_path, io_mode):
     from safetensors.numpy import load_file
     rng, seed = fresh_rng()
     state = random_state(rng)
@@ -71,24 +78,36 @@ def test_round_trip_is_exact_and_the_file_is_safetensors(tmp_path):
     plain = load_file(str(tmp_path / "a.kiln"))
     assert np.array_equal(plain["model/w"], state["model"]["w"]), seed
     assert np.array_equal(plain["optimizer/exp_avg/2"], state["optimizer"]["exp_avg"][2])
+    big = {"w": rng.standard_normal(3 * fmt.CHUNK // 4 + 1001).astype(np.float32), "b": rng.standard_normal(3)}
+    save(tmp_path / "big.kiln", big)  # several blocks, the last one partial
+    assert_same(big, load(tmp_path / "big.kiln"))
+    assert (tmp_path / "big.kiln").stat().st_size % fmt.ALIGN == (big["w"].nbytes + 24) % fmt.ALIGN
     d = describe(tmp_path / "a.kiln")
     assert d["format_version"] == fmt.FORMAT_VERSION and d["tensors"]["model/h"] == ("BF16", (3, 4))
     assert not list(tmp_path.glob(".*tmp*"))  # the temporary file was renamed
 
 
-def test_corruption_at_random_byte_offsets_is_always_detected(tmp_path):
+def test_corruption_at_random_byte_offsets_is_always_detected(tmp_path, io_mode):
     rng, seed = fresh_rng()
     path = tmp_path / "a.kiln"
-    save(path, random_state(rng))
+    save(path, random_state(rng, scale=32_000))  # two blocks
     raw = path.read_bytes()
     bad = tmp_path / "bad.kiln"
-    offsets = np.concatenate([rng.integers(0, 8, 4), rng.integers(8, len(raw), 300)])
-    for off in offsets:
-        b = bytearray(raw)
-        b[off] ^= int(rng.integers(1, 256))
-        bad.write_bytes(bytes(b))
-        with pytest.raises(CheckpointError, match="not a readable kiln checkpoint"):
-            load(bad)
+    bad.write_bytes(raw)
+    _, _, data_start = fmt.read_header(path)
+    offsets = np.concatenate([rng.integers(0, 8, 4), rng.integers(8, data_start, 100),
+                              rng.integers(data_start, len(raw), 200)])
+    with open(bad, "r+b") as f:
+        for off in offsets:  # one byte changed at a time, in place
+            f.seek(off)
+            f.write(bytes([raw[off] ^ int(rng.integers(1, 256))]))
+            f.flush()
+            with pytest.raises(CheckpointError, match="not a readable kiln checkpoint"):
+                load(bad)
+            f.seek(off)
+            f.write(raw[off:off + 1])
+            f.flush()
+    assert bad.read_bytes() == raw, seed
     for n in rng.integers(0, len(raw), 60):  # truncated anywhere
         bad.write_bytes(raw[:n])
         with pytest.raises(CheckpointError):
@@ -107,7 +126,7 @@ def test_a_checksum_mismatch_names_the_tensor(tmp_path):
     raw = bytearray((tmp_path / "a.kiln").read_bytes())
     raw[start + int(rng.integers(lo, hi))] ^= 0x40
     (tmp_path / "a.kiln").write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in tensor 'model/w'"):
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 data block, the first .*'model/w'"):
         load(tmp_path / "a.kiln")
 
 
@@ -137,11 +156,11 @@ def test_a_failure_inside_the_writer_keeps_the_previous_file(tmp_path, monkeypat
     save(tmp_path / "a.kiln", old)
     calls, real = [], fmt._pwrite_all
 
-    def full_disk(fd, view, offset):
+    def full_disk(fd, view, offset, **kw):
         calls.append(len(view))
-        if len(calls) == 3:  # a few chunks in: the disk fills up
+        if len(calls) == 3:  # a few blocks in: the disk fills up
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(fd, view, offset)
+        real(fd, view, offset, **kw)
 
     monkeypatch.setattr(fmt, "_pwrite_all", full_disk)
     with pytest.raises(CheckpointError, match="No space left on device .*the file there is unchanged"):
@@ -193,8 +212,8 @@ def test_a_save_killed_mid_write_never_tears_the_checkpoint(tmp_path):
         import numpy as np
         import kiln.checkpoint.format as fmt
         real = fmt._pwrite_all
-        def slow(fd, view, offset):
-            real(fd, view, offset)
+        def slow(fd, view, offset, **kw):
+            real(fd, view, offset, **kw)
             print("writing", flush=True)
             time.sleep(60)  # killed here, part-way through the file
         fmt._pwrite_all = slow

@@ -54,7 +54,7 @@ class HostStaging:
             if _is_cupy(a):
                 import cupyx
                 buf = cupyx.empty_pinned(a.shape, dtype=a.dtype)
-            else:
+            else:  # NumPy's allocation (transparent huge pages): fewer faults at the first copy
                 buf = np.empty(a.shape, dtype=a.dtype)
             self._buffers[key] = buf
         return buf
@@ -103,6 +103,7 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._error_path = None
         self.last_result: dict | None = None
+        self.last_write_s: float | None = None  # seconds the last background write took
 
     @property
     def in_flight(self) -> bool:
@@ -121,8 +122,10 @@ class AsyncSaver:
         return time.perf_counter() - t0
 
     def _write(self, path, host, on_done) -> None:
+        t0 = time.perf_counter()
         try:
             result = save(path, host)
+            self.last_write_s = time.perf_counter() - t0
             if on_done is not None:
                 on_done(result)
             self.last_result = result
