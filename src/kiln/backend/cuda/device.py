@@ -14,7 +14,6 @@ import threading
 from kiln.errors import DeviceError
 
 _streams: dict = {}
-_local = threading.local()
 _lock = threading.Lock()
 
 
@@ -52,12 +51,11 @@ def stream():
             s = _streams.get(dev)
             if s is None:
                 s = _first_use(dev)
-    made = getattr(_local, "made_current", None)
-    if made is None:
-        made = _local.made_current = set()
-    if dev not in made:
+    # Checked on every call, not once per thread: other code can make another stream current
+    # (seen on the H200: after a resumed cuda run the main thread's current stream was the
+    # legacy null stream), and CuPy work there races kiln's non-blocking stream.
+    if cupy().cuda.get_current_stream().ptr != s.ptr:
         s.use()
-        made.add(dev)
     return s
 
 
