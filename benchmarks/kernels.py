@@ -239,7 +239,8 @@ def main(argv=None) -> int:
         rows += BENCHES[name.strip()](k, args.iters)
     root = Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        commit = os.environ.get("KILN_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
     result = {"benchmark": "kernels", "date": datetime.datetime.now().isoformat(timespec="seconds"),
