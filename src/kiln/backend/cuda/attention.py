@@ -1,7 +1,9 @@
 """Causal attention, fused (online softmax, flash-attention style), forward and backward.
 
 q, k, v are [B, H, T, D] with D in ATTENTION_HEAD_DIMS (compile-time specialised); other head
-dims and float64 run the CPU reference on a host copy.
+dims and float64 run the CPU reference on a host copy. float32 runs on the CUDA cores (strict
+fp32); bfloat16 and float16 run the tensor-core kernels (`*_tc`: mma.sync, fp32 accumulation),
+64 query (or key) rows per block.
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ from kiln.backend.cuda.launch import cdiv, contiguous, cpu_fallback, ctype
 from kiln.errors import ShapeError
 
 
+TC_ROWS = 64  # kTcRows in attention.cu
+
+
+def _tensor_cores(t: str) -> bool:
+    return t != "float"
+
+
 def block_rows(d: int) -> tuple[int, int, int]:
-    """(query rows per forward block, keys per dK/dV block, query rows per dQ block): AttnShape in attention.cu."""
+    """float32 kernels' (query rows per forward block, keys per dK/dV block, query rows per dQ block): AttnShape."""
     return (16 if d >= 128 else 32, 8 if d >= 128 else (32 if d >= 64 else 16), 8 if d >= 128 else 32)
 
 
@@ -39,9 +48,11 @@ def attention_fwd(q, k, v, scale):
     b, h, n_t, d = q.shape
     out = cp.empty_like(q)
     lse = cp.empty((b, h, n_t), dtype=cp.float32)
-    bq, _, _ = block_rows(d)
-    get_kernel("attention.cu", f"attention_fwd<{t}, {d}>")(
-        (cdiv(n_t, bq), b * h), (128,), (q, k, v, out, lse, i32(n_t), f32(scale)))
+    if _tensor_cores(t):
+        name, bq = f"attention_fwd_tc<{t}, {d}>", TC_ROWS
+    else:
+        name, bq = f"attention_fwd<{t}, {d}>", block_rows(d)[0]
+    get_kernel("attention.cu", name)((cdiv(n_t, bq), b * h), (128,), (q, k, v, out, lse, i32(n_t), f32(scale)))
     return out, lse
 
 
@@ -60,9 +71,12 @@ def attention_bwd(grad, q, k, v, out, lse, scale):
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")((cdiv(rows, 8),), (256,),
                                                                 (grad, out, delta, i64(rows)))
     dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
-    _, bk, bq = block_rows(d)
-    get_kernel("attention.cu", f"attention_bwd_dkdv<{t}, {d}>")(
+    if _tensor_cores(t):
+        suffix, bk, bq = "_tc", TC_ROWS, TC_ROWS
+    else:
+        (_, bk, bq), suffix = block_rows(d), ""
+    get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
         (cdiv(n_t, bk), b * h), (128,), (q, k, v, grad, lse, delta, dk, dv, i32(n_t), f32(scale)))
-    get_kernel("attention.cu", f"attention_bwd_dq<{t}, {d}>")(
+    get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
         (cdiv(n_t, bq), b * h), (128,), (q, k, v, grad, lse, delta, dq, i32(n_t), f32(scale)))
     return dq, dk, dv

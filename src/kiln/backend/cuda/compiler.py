@@ -50,11 +50,15 @@ def _layer_norm_exprs():
 
 
 def _attention_exprs():
+    # float32 runs on the CUDA cores (strict fp32); bfloat16 and float16 on the tensor cores.
     out = []
-    for t in _F:
-        for d in ATTENTION_HEAD_DIMS:
-            out += [f"attention_fwd<{t}, {d}>", f"attention_bwd_dkdv<{t}, {d}>",
-                    f"attention_bwd_dq<{t}, {d}>", f"attention_bwd_delta<{t}, {d}>"]
+    for d in ATTENTION_HEAD_DIMS:
+        out += [f"attention_fwd<float, {d}>", f"attention_bwd_dkdv<float, {d}>",
+                f"attention_bwd_dq<float, {d}>"]
+        for t in _F[1:]:
+            out += [f"attention_fwd_tc<{t}, {d}>", f"attention_bwd_dkdv_tc<{t}, {d}>",
+                    f"attention_bwd_dq_tc<{t}, {d}>"]
+        out += [f"attention_bwd_delta<{t}, {d}>" for t in _F]
     return out
 
 

@@ -9,7 +9,8 @@
 // delta = rowsum(dO * O); `attention_bwd_dkdv` owns a block of keys and walks the query tiles
 // at or after it; `attention_bwd_dq` owns a block of queries and walks the key tiles up to
 // it. Each output element is written by one thread with a fixed summation order: no atomics,
-// deterministic. CUDA cores only (no tensor cores yet): correct first.
+// deterministic. These run float32 on the CUDA cores; bfloat16 and float16 take the
+// tensor-core kernels (`*_tc`) at the end of this file, which keep the same structure.
 #include "common.cuh"
 
 using namespace kiln;
@@ -288,4 +289,376 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
                 dq[base + (long long)row * D + lane + 32 * c] = from_float<T>(acc[r][c] * scale);
         }
     }
+}
+
+// ---- Tensor-core path for bf16 / fp16: mma.sync.m16n8k16, fp32 accumulation ----------------
+//
+// The same three-kernel structure (forward; dK/dV per key block; dQ per query block, delta from
+// attention_bwd_delta), each warp owning 16 rows and every product on the tensor cores.
+// Fragment layouts of mma.m16n8k16 (PTX ISA), lane = 4 g + c:
+//   A 16x16, row-major:  a[0] = (g, 2c..2c+1)  a[1] = (g+8, 2c..)  a[2] = (g, 2c+8..)  a[3] = (g+8, 2c+8..)
+//   B 16x8 (k x n):      b[0] = (k 2c..2c+1, n g)                   b[1] = (k 2c+8.., n g)
+//   C 16x8, fp32:        c[0..1] = (g, 2c..2c+1)                    c[2..3] = (g+8, 2c..2c+1)
+// So an A fragment of X [rows, k] and a B fragment of Yᵀ for Y stored [n][k] are 32-bit loads of
+// row-major tiles, and the C fragments of two adjacent 16x8 score tiles are exactly the A
+// fragment of the next product (flash-attention 2's register reuse: P never touches memory).
+// Operands needed as B with k along rows of a row-major source (V in P·V, dO in Pᵀ·dO, Q in
+// dSᵀ·Q, K in dS·K) are stored transposed in shared memory on their way in. Row strides are
+// padded by 8 elements, which makes the fragment loads free of bank conflicts.
+// Scores are kept in log2 units (scale·log2 e folded in) so each exponential is one exp2f.
+
+using u32 = unsigned int;  // NVRTC has no <cstdint>
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const u32 (&a)[4], u32 b0,
+                                                        u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T> __device__ __forceinline__ u32 ld32(const T* p) {
+    return *reinterpret_cast<const u32*>(p);
+}
+
+// Rows [r0, r0 + R) of a row-major [n_t, D] matrix into dst [R][D + 8], zeros past n_t.
+template <typename T, int R, int D>
+__device__ __forceinline__ void tile_load(T (*dst)[D + 8], const T* __restrict__ src, int r0, int n_t) {
+    constexpr int CH = D / 8;
+#pragma unroll
+    for (int i = threadIdx.x; i < R * CH; i += kAttnThreads) {
+        const int r = i / CH, col = (i % CH) * 8;
+        int4 x = make_int4(0, 0, 0, 0);
+        if (r0 + r < n_t) x = *reinterpret_cast<const int4*>(src + (long long)(r0 + r) * D + col);
+        *reinterpret_cast<int4*>(&dst[r][col]) = x;
+    }
+}
+
+// The same rows, transposed: dst[d][r] = src[r0 + r][d]. Consecutive lanes take consecutive
+// rows so that the 2-byte shared stores of a warp land in distinct words.
+template <typename T, int R, int D>
+__device__ __forceinline__ void tile_load_t(T (*dst)[R + 8], const T* __restrict__ src, int r0, int n_t) {
+    constexpr int CH = D / 8;
+#pragma unroll
+    for (int i = threadIdx.x; i < R * CH; i += kAttnThreads) {
+        const int r = i % R, col = (i / R) * 8;
+        Pack<T> x;
+        if (r0 + r < n_t) {
+            x = load_pack(src + (long long)(r0 + r) * D + col);
+        } else {
+            *reinterpret_cast<int4*>(&x) = make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dst[col + j][r] = x.v[j];
+    }
+}
+
+// The A fragments of 16 rows [row0, row0 + 16) x D straight from global memory (zeros past n_t).
+template <typename T, int D>
+__device__ __forceinline__ void frag_load_a(u32 (&a)[D / 16][4], const T* __restrict__ src, int row0, int n_t) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int r_lo = row0 + g, r_hi = row0 + g + 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int col = kk * 16 + 2 * c;
+        a[kk][0] = r_lo < n_t ? ld32(src + (long long)r_lo * D + col) : 0u;
+        a[kk][1] = r_hi < n_t ? ld32(src + (long long)r_hi * D + col) : 0u;
+        a[kk][2] = r_lo < n_t ? ld32(src + (long long)r_lo * D + col + 8) : 0u;
+        a[kk][3] = r_hi < n_t ? ld32(src + (long long)r_hi * D + col + 8) : 0u;
+    }
+}
+
+// acc[N/8][4] += A[16, K] · Bᵀ where A is given as fragments a[K/16][4] and B is stored [N][K + pad]
+// in shared memory (row stride LD elements).
+template <typename T, int N, int K, int LD>
+__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], const T* b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+            const T* p = b + (j * 8 + g) * LD + kk * 16 + 2 * c;
+            mma16816<T>(acc[j], a[kk], ld32(p), ld32(p + 8));
+        }
+    }
+}
+
+// acc[N/8][4] += P[16, K] · B where P is given as C fragments p[K/8][4] (fp32, rounded to T here)
+// and B is stored transposed [N][K + pad] in shared memory (row stride LD).
+template <typename T, int N, int K, int LD>
+__device__ __forceinline__ void mma_cb(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const T* bt) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        const u32 a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                               pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                               pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+            const T* q = bt + (j * 8 + g) * LD + kk * 16 + 2 * c;
+            mma16816<T>(acc[j], a, ld32(q), ld32(q + 8));
+        }
+    }
+}
+
+template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+}
+
+// Rows [row0, row0 + 16) of acc (C fragments, [16, D]) times `mul`, stored as T where row < n_t.
+template <typename T, int D>
+__device__ __forceinline__ void frag_store(T* __restrict__ dst, const float (&acc)[D / 8][4], int row0, int n_t,
+                                           float mul_lo, float mul_hi) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int r_lo = row0 + g, r_hi = row0 + g + 8;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int col = j * 8 + 2 * c;
+        if (r_lo < n_t)
+            *reinterpret_cast<u32*>(dst + (long long)r_lo * D + col) =
+                pack2<T>(acc[j][0] * mul_lo, acc[j][1] * mul_lo);
+        if (r_hi < n_t)
+            *reinterpret_cast<u32*>(dst + (long long)r_hi * D + col) =
+                pack2<T>(acc[j][2] * mul_hi, acc[j][3] * mul_hi);
+    }
+}
+
+constexpr int kTcRows = 64;  // rows per block in every tensor-core kernel: 4 warps x 16
+
+template <int D> struct TcShape {
+    // Queries per tile in dK/dV and keys per tile in dQ: static shared memory stays under 48 KiB
+    // and the dK/dV kernel (K, V fragments and both accumulators in registers) does not spill.
+    static constexpr int dkdv_q = D >= 128 ? 16 : 64;
+    static constexpr int dq_k = D >= 128 ? 32 : 64;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kAttnThreads) attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k,
+                                                                 const T* __restrict__ v, T* __restrict__ out,
+                                                                 float* __restrict__ lse, int n_t, float scale) {
+    constexpr int BN = kTcRows;
+    __shared__ __align__(16) T Ks[BN][D + 8];
+    __shared__ __align__(16) T Vt[D][BN + 8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const long long base = (long long)blockIdx.y * n_t * D;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;  // the longest rows first
+    const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
+    const float sl2 = scale * kLog2e;
+    u32 qa[D / 16][4];
+    frag_load_a<T, D>(qa, q + base, row0, n_t);
+    float o[D / 8][4];
+    zero_acc(o);
+    float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
+    const int q_last = min(m0 + kTcRows, n_t) - 1;
+    for (int n0 = 0; n0 <= q_last; n0 += BN) {
+        __syncthreads();
+        tile_load<T, BN, D>(Ks, k + base, n0, n_t);
+        tile_load_t<T, BN, D>(Vt, v + base, n0, n_t);
+        __syncthreads();
+        float s[BN / 8][4];
+        zero_acc(s);
+        mma_abt<T, BN, D, D + 8>(s, qa, &Ks[0][0]);
+        const bool diag = n0 + BN - 1 > row0;  // some key of this tile is after some row of this warp
+        float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + j * 8 + 2 * c + (e & 1);
+                const int row = e < 2 ? r_lo : r_hi;
+                s[j][e] = (diag && key > row) ? -KILN_INF : s[j][e] * sl2;
+            }
+            mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+        }
+#pragma unroll
+        for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o_));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o_));
+        }
+        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
+        const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
+        const float a_lo = exp2f(m_lo - sub_lo), a_hi = exp2f(m_hi - sub_hi);
+        m_lo = mn_lo;
+        m_hi = mn_hi;
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            s[j][0] = exp2f(s[j][0] - sub_lo);
+            s[j][1] = exp2f(s[j][1] - sub_lo);
+            s[j][2] = exp2f(s[j][2] - sub_hi);
+            s[j][3] = exp2f(s[j][3] - sub_hi);
+            sum_lo += s[j][0] + s[j][1];
+            sum_hi += s[j][2] + s[j][3];
+        }
+        l_lo = l_lo * a_lo + sum_lo;  // this lane's part of the row sum; the quad is summed at the end
+        l_hi = l_hi * a_hi + sum_hi;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[j][0] *= a_lo;
+            o[j][1] *= a_lo;
+            o[j][2] *= a_hi;
+            o[j][3] *= a_hi;
+        }
+        mma_cb<T, D, BN, BN + 8>(o, s, &Vt[0][0]);
+    }
+#pragma unroll
+    for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
+        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
+    }
+    frag_store<T, D>(out + base, o, row0, n_t, 1.0f / l_lo, 1.0f / l_hi);
+    if (c == 0) {
+        const long long lb = (long long)blockIdx.y * n_t;
+        if (r_lo < n_t) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
+        if (r_hi < n_t) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
+    }
+}
+
+// dK, dV for one block of 64 keys (each warp 16), walking the query tiles at or after it:
+// Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ - lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ - delta), dK += dSᵀ·Q.
+template <typename T, int D>
+__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+    int n_t, float scale) {
+    constexpr int BQ = TcShape<D>::dkdv_q;
+    __shared__ __align__(16) T Qs[BQ][D + 8];
+    __shared__ __align__(16) T Qt[D][BQ + 8];
+    __shared__ __align__(16) T Gs[BQ][D + 8];
+    __shared__ __align__(16) T Gt[D][BQ + 8];
+    __shared__ float Ls[BQ], Ds[BQ];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const long long base = (long long)blockIdx.y * n_t * D, rbase = (long long)blockIdx.y * n_t;
+    const int n0 = blockIdx.x * kTcRows;  // the first key blocks walk the most query tiles: launched first
+    const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
+    const float sl2 = scale * kLog2e;
+    u32 ka[D / 16][4], va[D / 16][4];
+    frag_load_a<T, D>(ka, k + base, key0, n_t);
+    frag_load_a<T, D>(va, v + base, key0, n_t);
+    float dk_acc[D / 8][4], dv_acc[D / 8][4];
+    zero_acc(dk_acc);
+    zero_acc(dv_acc);
+    for (int q0 = (n0 / BQ) * BQ; q0 < n_t; q0 += BQ) {
+        __syncthreads();
+        tile_load<T, BQ, D>(Qs, q + base, q0, n_t);
+        tile_load_t<T, BQ, D>(Qt, q + base, q0, n_t);
+        tile_load<T, BQ, D>(Gs, grad + base, q0, n_t);
+        tile_load_t<T, BQ, D>(Gt, grad + base, q0, n_t);
+        for (int i = threadIdx.x; i < BQ; i += kAttnThreads) {
+            const bool ok = q0 + i < n_t;
+            Ls[i] = ok ? lse[rbase + q0 + i] * kLog2e : 0.0f;
+            Ds[i] = ok ? delta[rbase + q0 + i] : 0.0f;
+        }
+        __syncthreads();
+        if (q0 + BQ - 1 < key0) continue;  // every query of this tile is before every key of this warp
+        float p[BQ / 8][4];
+        zero_acc(p);
+        mma_abt<T, BQ, D, D + 8>(p, ka, &Qs[0][0]);
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = j * 8 + 2 * c + (e & 1), query = q0 + col;
+                const int key = e < 2 ? key_lo : key_hi;
+                p[j][e] = (key <= query && query < n_t) ? exp2f(p[j][e] * sl2 - Ls[col]) : 0.0f;
+            }
+        }
+        mma_cb<T, D, BQ, BQ + 8>(dv_acc, p, &Gt[0][0]);
+        float ds[BQ / 8][4];
+        zero_acc(ds);
+        mma_abt<T, BQ, D, D + 8>(ds, va, &Gs[0][0]);
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[j][e] = p[j][e] * (ds[j][e] - Ds[j * 8 + 2 * c + (e & 1)]);
+        }
+        mma_cb<T, D, BQ, BQ + 8>(dk_acc, ds, &Qt[0][0]);
+    }
+    frag_store<T, D>(dk + base, dk_acc, key0, n_t, scale, scale);
+    frag_store<T, D>(dv + base, dv_acc, key0, n_t, 1.0f, 1.0f);
+}
+
+// dQ for one block of 64 queries (each warp 16), walking the key tiles up to it:
+// S = Q·Kᵀ, P = exp(S - lse), dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K.
+template <typename T, int D>
+__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, float scale) {
+    constexpr int BN = TcShape<D>::dq_k;
+    __shared__ __align__(16) T Ks[BN][D + 8];
+    __shared__ __align__(16) T Kt[D][BN + 8];
+    __shared__ __align__(16) T Vs[BN][D + 8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const long long base = (long long)blockIdx.y * n_t * D, rbase = (long long)blockIdx.y * n_t;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;
+    const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
+    const float sl2 = scale * kLog2e;
+    u32 qa[D / 16][4], ga[D / 16][4];
+    frag_load_a<T, D>(qa, q + base, row0, n_t);
+    frag_load_a<T, D>(ga, grad + base, row0, n_t);
+    const float lse_lo = r_lo < n_t ? lse[rbase + r_lo] * kLog2e : 0.0f;
+    const float lse_hi = r_hi < n_t ? lse[rbase + r_hi] * kLog2e : 0.0f;
+    const float dl_lo = r_lo < n_t ? delta[rbase + r_lo] : 0.0f;
+    const float dl_hi = r_hi < n_t ? delta[rbase + r_hi] : 0.0f;
+    float dq_acc[D / 8][4];
+    zero_acc(dq_acc);
+    const int q_last = min(m0 + kTcRows, n_t) - 1;
+    for (int n0 = 0; n0 <= q_last; n0 += BN) {
+        __syncthreads();
+        tile_load<T, BN, D>(Ks, k + base, n0, n_t);
+        tile_load_t<T, BN, D>(Kt, k + base, n0, n_t);
+        tile_load<T, BN, D>(Vs, v + base, n0, n_t);
+        __syncthreads();
+        if (n0 > row0 + 15) continue;  // every key of this tile is after every row of this warp
+        float p[BN / 8][4];
+        zero_acc(p);
+        mma_abt<T, BN, D, D + 8>(p, qa, &Ks[0][0]);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + j * 8 + 2 * c + (e & 1);
+                const int row = e < 2 ? r_lo : r_hi;
+                p[j][e] = key <= row ? exp2f(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
+            }
+        }
+        float ds[BN / 8][4];
+        zero_acc(ds);
+        mma_abt<T, BN, D, D + 8>(ds, ga, &Vs[0][0]);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
+            ds[j][1] = p[j][1] * (ds[j][1] - dl_lo);
+            ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
+            ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
+        }
+        mma_cb<T, D, BN, BN + 8>(dq_acc, ds, &Kt[0][0]);
+    }
+    frag_store<T, D>(dq + base, dq_acc, row0, n_t, scale, scale);
 }
