@@ -164,7 +164,9 @@ class Trainer:
         if self.seq_len > self.model_config.block_size:
             raise ConfigError(f"seq_len {self.seq_len} is longer than the model's context "
                               f"{self.model_config.block_size}")
-        loader_args = dict(batch_size=config.batch_size, seq_len=self.seq_len, seed=config.seed)
+        # on cuda the loaders stage batches through pinned memory on a copy stream (Algorithm 2)
+        loader_args = dict(batch_size=config.batch_size, seq_len=self.seq_len, seed=config.seed,
+                           device=self.device)
         self.train_loader = ShardLoader(data, "train", **loader_args)
         self.val_loader = ShardLoader(data, "val", **loader_args)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -192,6 +194,8 @@ class Trainer:
 
     def _batch(self, loader):
         x, y = loader.next_batch()
+        if loader.device.type == "cuda":  # already on the device, fresh arrays on kiln's stream: no copy
+            return kiln.Tensor._wrap(x, self.device), kiln.Tensor._wrap(y, self.device)
         return kiln.tensor(x, device=self.device), kiln.tensor(y, device=self.device)
 
     def train_step(self) -> dict:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.backend import device as parse_device
 from kiln.data.shards import open_shard, read_header
-from kiln.errors import ConfigError, DataError, DeviceError, NotBuiltError
+from kiln.errors import ConfigError, DataError
 
 META_FILE = "meta.json"
 
@@ -41,6 +42,16 @@ def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
     return sorted(paths), _read_meta(meta_file) if meta_file.is_file() else {}
 
 
+def split_window(window, batch_size: int, seq_len: int):
+    """(x, y), int64 arrays of shape (B, T), from B·T+1 tokens: y is x shifted by one.
+
+    NumPy or CuPy alike: the one conversion of both devices, so CUDA batches equal CPU batches."""
+    bt = batch_size * seq_len
+    x = window[:bt].astype(np.int64).reshape(batch_size, seq_len)
+    y = window[1:bt + 1].astype(np.int64).reshape(batch_size, seq_len)
+    return x, y
+
+
 class ShardLoader:
     """Batches (x, y) of B x T tokens from sorted, memory-mapped shards; y is x shifted by one.
 
@@ -52,15 +63,18 @@ class ShardLoader:
     fit; the tokens after a shard's last full step are not read. Shards are read in sorted order;
     with `shuffle`, each epoch's order is a permutation drawn from (seed, epoch), the same on every
     rank. So `state_dict` is the same on every rank, and restoring it resumes exactly.
+
+    On `device="cuda"` batches come as CuPy arrays, equal to the CPU ones bit for bit, staged as
+    Algorithm 2 stages them (kiln.data.staging): while batch i trains, batch i+1 is copied from
+    pinned memory on a copy stream; `state_dict` names the batch the next call returns, not the
+    one staged ahead. `pinned=False` (or pinned memory that cannot be had, with a warning) copies
+    each batch synchronously on the compute stream instead, with the same batches.
     """
 
     def __init__(self, path, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, device: str = "cpu", shuffle: bool = False):
-        if device != "cpu":
-            if str(device).startswith("cuda"):
-                raise NotBuiltError(f"ShardLoader(device={device!r}): the CUDA path of Algorithm 2 (pinned "
-                                    "buffers, a copy stream, events) is not built yet; use device='cpu'")
-            raise DeviceError(f"ShardLoader(device={device!r}): allowed devices are 'cpu' (and later 'cuda')")
+                 world_size: int = 1, seed: int = 0, device="cpu", shuffle: bool = False,
+                 pinned: bool = True):
+        self.device = parse_device(device)  # a DeviceError names a bad device
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(f"ShardLoader({name}={value!r}): must be a positive integer")
@@ -71,12 +85,24 @@ class ShardLoader:
         self.seed, self.shuffle = seed, shuffle
         self.vocab_size: int | None = meta.get("vocab_size")
         self._step = batch_size * seq_len * world_size
-        self._sizes = [read_header(p).num_tokens for p in self.paths]
+        headers = [read_header(p) for p in self.paths]
+        self._sizes = [h.num_tokens for h in headers]
+        self.token_dtype = np.result_type(*(h.dtype for h in headers))  # what the staging buffers hold
         for p, n in zip(self.paths, self._sizes):
             if n < self._step + 1:
                 raise DataError(f"{p}: holds {n} tokens, fewer than the {self._step + 1} of one step "
                                 f"(world_size {world_size} x batch_size {batch_size} x seq_len {seq_len}, +1)")
         self._checked: set[int] = set()
+        self._staging = None        # CUDA: a kiln.data.staging engine
+        self._ahead = None          # CUDA: (slot, position) of the batch staged ahead
+        self._ahead_error = None    # CUDA: an error of the step past the staged batch, raised in turn
+        self._slot = 0
+        if self.device.type == "cuda":
+            self.device.backend  # raises a DeviceError naming what is missing for cuda
+            from kiln.data.staging import open_staging
+            self._staging = open_staging(self.tokens_per_batch + 1, self.token_dtype, batch_size, seq_len,
+                                         self.device.index, pinned=pinned,
+                                         what=f"ShardLoader({split!r}, device={str(self.device)!r})")
         self.reset()
 
     @property
@@ -84,27 +110,81 @@ class ShardLoader:
         """Tokens in one rank's x: batch_size x seq_len."""
         return self.batch_size * self.seq_len
 
+    @property
+    def pinned(self) -> bool:
+        """True when batches are staged through pinned memory on a copy stream (CUDA, Algorithm 2)."""
+        return self._staging is not None and not self._staging.synchronous
+
     def reset(self) -> None:
         """Back to the start of epoch 0."""
+        self._drop_staged()
         self._set_position(epoch=0, shard=0, pos=0)
 
-    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's next (x, y), int64 arrays of shape (batch_size, seq_len), on the CPU."""
-        bt = self.tokens_per_batch
-        start = self._pos + bt * self.rank
-        x = self._tokens[start:start + bt].astype(np.int64).reshape(self.batch_size, self.seq_len)
-        y = self._tokens[start + 1:start + bt + 1].astype(np.int64).reshape(self.batch_size, self.seq_len)
+    def next_batch(self):
+        """This rank's next (x, y), int64 arrays of shape (batch_size, seq_len): NumPy on the CPU,
+        CuPy on kiln's stream on CUDA."""
+        if self._staging is not None:
+            return self._next_staged()
+        window = self._window()
+        self._advance()
+        return split_window(window, self.batch_size, self.seq_len)
+
+    def _window(self) -> np.ndarray:
+        """This rank's B·T+1 tokens at the cursor: a view of the memory-mapped shard."""
+        start = self._pos + self.tokens_per_batch * self.rank
+        return self._tokens[start:start + self.tokens_per_batch + 1]
+
+    def _advance(self) -> None:
+        """Step the cursor by B·T·W, to the next shard when a further step would not fit."""
         self._pos += self._step
         if self._pos + self._step + 1 > len(self._tokens):  # Algorithm 2, line 25 (for the whole step)
             if self._shard + 1 < len(self.paths):
                 self._set_position(self._epoch, self._shard + 1, 0)
             else:
                 self._set_position(self._epoch + 1, 0, 0)
-        return x, y
+
+    def _next_staged(self):
+        """Algorithm 2's NEXTBATCH: take the batch staged by the last call, stage the next one into the
+        other buffer, so its copy runs while this batch trains."""
+        if self._ahead_error is not None:  # raised where the CPU loader raises it: at this batch
+            error = self._ahead_error
+            self._drop_staged()
+            raise error
+        if self._ahead is None:  # the first batch, or after reset / load_state_dict
+            self._stage()
+            if self._ahead_error is not None:
+                return self._next_staged()
+        slot, _ = self._ahead
+        batch = self._staging.take(slot)
+        self._ahead = None
+        self._stage()
+        return batch
+
+    def _stage(self) -> None:
+        """Start the copy of the batch at the cursor into the next slot and step the cursor past it;
+        the position before the step is what state_dict reports while the batch waits."""
+        slot, self._slot = self._slot, self._slot ^ 1
+        position = (self._epoch, self._shard, self._pos)
+        self._staging.put(slot, self._window())
+        self._ahead = (slot, position)
+        try:
+            self._advance()
+        except DataError as e:  # the CPU loader raises this when it returns this batch: so do we
+            self._ahead_error = e
+
+    def _drop_staged(self) -> None:
+        """Forget the batch staged ahead (its slot's events keep the buffers safe to reuse)."""
+        self._ahead = self._ahead_error = None
+
+    def close(self) -> None:
+        """Wait for staging copies in flight (CUDA); the loader's buffers can then be freed."""
+        if self._staging is not None:
+            self._staging.close()
 
     def state_dict(self) -> dict:
         """Where the next batch comes from, JSON-serialisable; equal on every rank."""
-        return {"epoch": self._epoch, "shard": self._shard, "position": self._pos,
+        epoch, shard, pos = self._ahead[1] if self._ahead is not None else (self._epoch, self._shard, self._pos)
+        return {"epoch": epoch, "shard": shard, "position": pos,
                 "shards": [p.name for p in self.paths], "tokens_per_step": self._step,
                 "seed": self.seed, "shuffle": self.shuffle}
 
@@ -119,6 +199,7 @@ class ShardLoader:
         if not (0 <= shard < len(self.paths) and 0 <= pos and pos % self._step == 0
                 and pos + self._step + 1 <= self._sizes[self._order(state["epoch"])[shard]]):
             raise DataError(f"loader state shard={shard}, position={pos} is not a step of these shards")
+        self._drop_staged()
         self._set_position(state["epoch"], shard, pos)
 
     def _order(self, epoch: int) -> list[int]:
