@@ -142,10 +142,9 @@ def gpt2_param_shapes():
     return shapes + [(768,), (768,)]
 
 
-def bench_adamw(k, iters):
+def _gpt2_optimizer_state(k):
     import torch
     shapes = gpt2_param_shapes()
-    nparams = sum(math.prod(s) for s in shapes)
     gen = k.new_generator(0)
     ps = [k.rng_normal(gen, s, np.float32) for s in shapes]
     gs = [k.rng_normal(gen, s, np.float32) for s in shapes]
@@ -155,6 +154,16 @@ def bench_adamw(k, iters):
     tps = [torch.randn(s, device="cuda", requires_grad=True) for s in shapes]
     for t in tps:
         t.grad = torch.randn_like(t)
+    return shapes, sum(math.prod(s) for s in shapes), ps, gs, ms, vs, wds, tps
+
+
+def bench_adamw(k, iters):
+    """AdamW over GPT-2 124M's 148 fp32 tensors; with the clip: kiln's norm + fused step vs
+    torch's clip_grad_norm_ (norm + scale) + fused step. "tables rebuilt" drops kiln's table
+    cache before every call, as a training step whose gradient buffers moved does."""
+    import torch
+    from kiln.backend.cuda import adamw as cuda_adamw
+    shapes, nparams, ps, gs, ms, vs, wds, tps = _gpt2_optimizer_state(k)
     opt = torch.optim.AdamW(tps, lr=1e-4, weight_decay=0.1, fused=True)
     step = [0]
 
@@ -162,12 +171,62 @@ def bench_adamw(k, iters):
         step[0] += 1
         k.adamw_step(ps, gs, ms, vs, wds, 1e-4, 0.9, 0.95, 1e-8, step[0])
 
-    rows = [_row("adamw", "step", np.float32, (nparams,), kiln_step, opt.step, iters, nbytes=7 * 4 * nparams)]
-    rows.append(_row("grad_norm", "norm", np.float32, (nparams,), lambda: k.grad_norm(gs),
-                     lambda: torch.nn.utils.get_total_norm([t.grad for t in tps]) if hasattr(torch.nn.utils, "get_total_norm")
-                     else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.grad) for t in tps])),
-                     iters, nbytes=4 * nparams))
-    return rows
+    def kiln_step_rebuilt():
+        cuda_adamw._tables.clear()
+        kiln_step()
+
+    def kiln_clip_step():
+        step[0] += 1
+        norm = k.grad_norm(gs)
+        k.adamw_step(ps, gs, ms, vs, wds, 1e-4, 0.9, 0.95, 1e-8, step[0], clip_norm=norm, max_norm=1.0)
+
+    def torch_clip_step():
+        torch.nn.utils.clip_grad_norm_(tps, 1.0)
+        opt.step()
+
+    return [_row("adamw", "step", np.float32, (nparams,), kiln_step, opt.step, iters, nbytes=7 * 4 * nparams),
+            _row("adamw", "step, tables rebuilt", np.float32, (nparams,), kiln_step_rebuilt, opt.step, iters,
+                 nbytes=7 * 4 * nparams),
+            _row("adamw", "clip+step", np.float32, (nparams,), kiln_clip_step, torch_clip_step, iters,
+                 nbytes=8 * 4 * nparams)]
+
+
+def bench_grad_norm(k, iters):
+    import torch
+    shapes, nparams, ps, gs, ms, vs, wds, tps = _gpt2_optimizer_state(k)
+    tgrads = [t.grad for t in tps]
+    f = k.asarray(np.asarray(1.0, dtype=np.float32))
+    tf = torch.ones((), device="cuda")
+    norm_fn = (torch.nn.utils.get_total_norm if hasattr(torch.nn.utils, "get_total_norm") else
+               lambda gs_: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs_])))
+    return [_row("grad_norm", "norm", np.float32, (nparams,), lambda: k.grad_norm(gs), lambda: norm_fn(tgrads),
+                 iters, nbytes=4 * nparams),
+            _row("grad_norm", "scale_", np.float32, (nparams,), lambda: k.scale_(gs, f),
+                 lambda: torch._foreach_mul_(tgrads, tf), iters, nbytes=8 * nparams)]
+
+
+def bench_embedding(k, iters):
+    """wte [50304, 768] backward from 16x1024 ids (uniform and Zipf-skewed like real text) and
+    wpe [1024, 768] from 1024 positions; bytes = grad read + dweight written."""
+    import torch
+    out = []
+    b, t, c = 16, 1024, 768
+    rng = np.random.default_rng(0)
+    cases = (("wte uniform", 50304, rng.integers(0, 50304, b * t)),
+             ("wte zipf", 50304, np.minimum(rng.zipf(1.2, b * t) - 1, 50303)),
+             ("wpe", 1024, np.arange(t)))
+    for dtype in (np.float32, BF16):
+        for name, v, idx in cases:
+            n = idx.size
+            g = k.rng_normal(k.new_generator(0), (n, c), dtype)
+            di = k.asarray(idx.astype(np.int64))
+            tg = torch.randn(n, c, device="cuda", dtype=_torch_dtype(dtype))
+            ti = torch.as_tensor(idx, device="cuda")
+            item = np.dtype(dtype).itemsize
+            out.append(_row("embedding", f"bwd {name}", dtype, (n, v, c), lambda: k.embedding_bwd(g, di, v),
+                            lambda: torch.ops.aten.embedding_dense_backward(tg, ti, v, -1, False), iters,
+                            nbytes=(n + v) * c * item))
+    return out
 
 
 def bench_attention(k, iters):
@@ -201,23 +260,41 @@ def bench_attention(k, iters):
     return out
 
 
+def host_ms(fn, iters: int) -> float:
+    """Median host milliseconds of one call without waiting for the device (launch + Python):
+    when it is close to the event time, the call is bound by the host, not the kernel."""
+    import time
+    from kiln.backend.cuda import device
+    times = []
+    for _ in range(iters):
+        device.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000.0 * (time.perf_counter() - t0))
+    device.synchronize()
+    return float(np.median(times))
+
+
 def _row(family, op, dtype, shape, kfn, tfn, iters, nbytes=None, flops=None):
     kms = median_ms(kfn, iters, "kiln")
+    khost = host_ms(kfn, iters)
     tms = median_ms(tfn, iters, "torch")
     row = {"family": family, "op": op, "dtype": np.dtype(dtype).name, "shape": list(shape),
-           "kiln_ms": kms, "torch_ms": tms, "speedup": tms / kms}
+           "kiln_ms": kms, "kiln_host_ms": khost, "torch_ms": tms, "speedup": tms / kms}
     if nbytes is not None:
         row.update(bytes=nbytes, kiln_gbps=nbytes / kms / 1e6, torch_gbps=nbytes / tms / 1e6)
     if flops is not None:
         row.update(flops=flops, kiln_tflops=flops / kms / 1e9, torch_tflops=flops / tms / 1e9)
     rate = (f"{row['kiln_gbps']:8.0f} {row['torch_gbps']:8.0f} GB/s" if nbytes is not None
             else f"{row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} TFLOP/s")
-    print(f"{family:14s} {op:8s} {row['dtype']:9s} {kms:9.3f} {tms:9.3f} {row['speedup']:6.2f}x {rate}", flush=True)
+    print(f"{family:14s} {op:22s} {row['dtype']:9s} {kms:9.3f} {khost:9.3f} {tms:9.3f} {row['speedup']:6.2f}x {rate}",
+          flush=True)
     return row
 
 
 BENCHES = {"gelu": bench_gelu, "layer_norm": bench_layer_norm, "cross_entropy": bench_cross_entropy,
-           "adamw": bench_adamw, "attention": bench_attention}
+           "adamw": bench_adamw, "grad_norm": bench_grad_norm, "embedding": bench_embedding,
+           "attention": bench_attention}
 
 
 def main(argv=None) -> int:
@@ -233,7 +310,7 @@ def main(argv=None) -> int:
         print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)
         return 2
     k = kiln.backend.get_backend("cuda")
-    print(f"{'family':14s} {'op':8s} {'dtype':9s} {'kiln ms':>9s} {'torch ms':>9s} {'ratio':>7s}  kiln / torch")
+    print(f"{'family':14s} {'op':22s} {'dtype':9s} {'kiln ms':>9s} {'host ms':>9s} {'torch ms':>9s} {'ratio':>7s}  kiln / torch")
     rows = []
     for name in args.only.split(","):
         rows += BENCHES[name.strip()](k, args.iters)

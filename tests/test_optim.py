@@ -75,3 +75,48 @@ def test_gradient_accumulation_equals_one_large_batch():
         (acc(kiln.tensor(idx[half]), kiln.tensor(tgt[half]))[1] / 2.0).backward()
     for p, q in zip(big.parameters(), acc.parameters()):
         np.testing.assert_allclose(q.grad.numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_optimizer_clip_is_fused_into_the_step_and_matches_torch(max_norm):
+    rng = np.random.default_rng()
+    arrays = [rng.standard_normal(s) for s in ((3, 4), (5,), (2, 2, 2))]
+    ps = [kiln.tensor(a, requires_grad=True) for a in arrays]
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+    opt = AdamW(ps, lr=0.01, weight_decay=0.1)
+    topt = torch.optim.AdamW(ts, lr=0.01, weight_decay=0.1)
+    for _ in range(3):
+        grads = [rng.standard_normal(a.shape) * 3 for a in arrays]
+        for p, t, g in zip(ps, ts, grads):
+            p.grad, t.grad = kiln.tensor(g), torch.tensor(g)
+        norm = opt.clip_grad_norm_(max_norm)
+        tnorm = torch.nn.utils.clip_grad_norm_(ts, max_norm)
+        assert float(norm.numpy()) == pytest.approx(float(tnorm), rel=1e-12)
+        for p, g in zip(ps, grads):  # the gradients themselves are not rewritten
+            np.testing.assert_array_equal(p.grad.numpy(), g)
+        opt.step()
+        topt.step()
+    for p, t in zip(ps, ts):
+        np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=1e-12)
+
+
+def test_optimizer_clip_applies_to_the_next_step_only():
+    p = kiln.tensor(np.ones(4), requires_grad=True)
+    q = kiln.tensor(np.ones(4), requires_grad=True)
+    opt, ref = AdamW([p], lr=0.1, weight_decay=0.0), AdamW([q], lr=0.1, weight_decay=0.0)
+    p.grad, q.grad = kiln.tensor(np.full(4, 10.0)), kiln.tensor(np.full(4, 10.0))
+    opt.clip_grad_norm_(1.0)
+    opt.zero_grad()  # drops the pending clip with the gradients
+    p.grad = kiln.tensor(np.full(4, 10.0))
+    opt.step()
+    ref.step()
+    np.testing.assert_array_equal(p.numpy(), q.numpy())
+    opt.zero_grad()
+    with pytest.raises(kiln.KilnError, match="no gradients"):
+        opt.clip_grad_norm_(1.0)
+
+
+def test_cuda_adamw_block_starts_cut_each_tensor_into_whole_chunks():
+    from kiln.backend.cuda.adamw import CHUNK, block_starts
+    starts = block_starts([1, CHUNK, CHUNK + 1, 3 * CHUNK])
+    assert starts.tolist() == [0, 1, 2, 4, 7]

@@ -29,7 +29,7 @@ import kiln
 from kiln.backend import cuda_is_available, device as parse_device
 from kiln.errors import ConfigError, DataError
 from kiln.nn import GPT, GPTConfig, preset
-from kiln.optim import AdamW, clip_grad_norm_, gpt_param_groups, warmup_cosine_lr
+from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 
@@ -212,7 +212,8 @@ class Trainer:
             (loss / c.grad_accum).backward() if c.grad_accum > 1 else loss.backward()
             total += loss.item() / c.grad_accum
         self.last_loss = total
-        norm = clip_grad_norm_(self.model.parameters(), c.grad_clip) if c.grad_clip > 0 else None
+        # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
+        norm = self.optimizer.clip_grad_norm_(c.grad_clip) if c.grad_clip > 0 else None
         self.optimizer.step()
         self.step += 1
         return {"step": self.step, "loss": total, "lr": lr,

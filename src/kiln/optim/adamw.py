@@ -1,9 +1,15 @@
-"""AdamW with decoupled weight decay, updating every parameter in one multi-tensor kernel call."""
+"""AdamW with decoupled weight decay, updating every parameter in one multi-tensor kernel call.
+
+Gradient clipping rides in the same call: `AdamW.clip_grad_norm_` computes the global norm
+into a device scalar, and the next `step()` scales each gradient by min(1, max_norm / norm)
+as the kernel reads it (computed on the device: no host sync, no separate scaling pass).
+"""
 
 from __future__ import annotations
 
 from kiln.autograd import no_grad
 from kiln.errors import ConfigError, KilnError
+from kiln.tensor import Tensor
 
 
 def gpt_param_groups(model, weight_decay: float):
@@ -38,12 +44,14 @@ class AdamW:
         if len({id(p) for p in all_params}) != len(all_params):
             raise KilnError("a parameter appears in more than one AdamW param group")
         self._moments = None  # (exp_avgs, exp_avg_sqs), allocated at the first step
+        self._clip = None  # (norm device array, max_norm) for the next step, from clip_grad_norm_
 
     @property
     def params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clip = None
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -55,8 +63,23 @@ class AdamW:
                          [p.backend.xp.zeros_like(p.data) for p in self.params])
 
     @no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """The global L2 norm of this optimizer's gradients (a 0-d device tensor, not synced);
+        the next step() clips by it, exactly as kiln.optim.clip_grad_norm_ followed by step()
+        would (torch's coefficient min(1, max_norm / (norm + 1e-6))), fused into the update.
+        The gradients themselves are left unscaled."""
+        if max_norm <= 0:
+            raise ConfigError(f"clip_grad_norm_ needs max_norm > 0, got {max_norm}")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            raise KilnError("clip_grad_norm_ found no gradients; call backward() first")
+        norm = grads[0].backend.grad_norm([g.data for g in grads])
+        self._clip = (norm, float(max_norm))
+        return Tensor._wrap(norm, grads[0].device)
+
+    @no_grad()
     def step(self) -> None:
-        """One update of every parameter that has a gradient."""
+        """One update of every parameter that has a gradient (clipped if clip_grad_norm_ was called)."""
         if self._moments is None:
             self._allocate()
         self.step_count += 1
@@ -75,8 +98,11 @@ class AdamW:
                     p._version[0] += 1
                 i += 1
         b1, b2 = self.betas
+        clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
+        self._clip = None
         for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
-            backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, self.eps, self.step_count)
+            backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, self.eps, self.step_count,
+                               clip_norm=clip_norm, max_norm=max_norm)
 
     def state_dict(self) -> dict:
         """Step count, hyperparameters and the moments (backend arrays), in parameter order."""

@@ -9,7 +9,11 @@ from kiln.tensor import Tensor
 
 @no_grad()
 def clip_grad_norm_(params, max_norm: float) -> Tensor:
-    """Scale all gradients by min(1, max_norm / (norm + 1e-6)), as torch does; returns the norm."""
+    """Scale all gradients in place by min(1, max_norm / (norm + 1e-6)), as torch does; returns the norm.
+
+    A training loop with kiln's AdamW should call `optimizer.clip_grad_norm_(max_norm)` instead:
+    the same clip, fused into the optimizer's step (no pass over the gradients of its own).
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         raise KilnError("clip_grad_norm_ found no gradients; call backward() first")

@@ -19,13 +19,27 @@ def scale_(arrays, factor):
         a *= np.asarray(factor, dtype=a.dtype)
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, beta2, eps, step):
-    """One AdamW update of every parameter, in place, the same arithmetic as torch.optim.AdamW."""
+def clip_coef(norm, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), as a 0-d array (NaN stays NaN)."""
+    dt = norm.dtype.type  # np.minimum dispatches to CuPy for a device norm
+    return np.minimum(dt(max_norm) / (norm + dt(1e-6)), dt(1.0))
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, beta2, eps, step,
+               clip_norm=None, max_norm=0.0):
+    """One AdamW update of every parameter, in place, the same arithmetic as torch.optim.AdamW.
+
+    clip_norm (a 0-d array, or None): read every gradient as g * clip_coef(clip_norm, max_norm),
+    the clip fused into the update; the gradients themselves are not changed.
+    """
+    coef = None if clip_norm is None else clip_coef(clip_norm, max_norm)
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
     step_size = lr / bias_correction1
     for p, g, m, v, wd in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays):
         dt = p.dtype.type
+        if coef is not None:
+            g = g * coef.astype(g.dtype)
         if wd != 0.0:
             p *= dt(1.0 - lr * wd)
         m += (g - m) * dt(1.0 - beta1)

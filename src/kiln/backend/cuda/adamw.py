@@ -1,16 +1,18 @@
-"""Multi-tensor AdamW, global gradient norm and in-place scaling (the paper's Horizontal Tensor Fusion).
+"""Multi-tensor AdamW (with the gradient clip fused in), global gradient norm and in-place scaling.
 
-Each call launches one kernel per dtype group over all its tensors: a table of device
-pointers and sizes plus a chunk table (tensor id, first element) in fixed-size chunks, so
-every block does the same work whatever the tensor sizes. Tables are built on the host once
-per set of tensors (keyed by their addresses and sizes) and cached on the device, so a
-steady-state step uploads nothing. lr and step are host floats; the bias corrections are
-computed on the host.
+Each call launches one kernel per dtype group over all its tensors (the paper's Horizontal
+Tensor Fusion). A group is described by one small device table (pointers, sizes, the first
+chunk of each tensor), built with a few NumPy calls and uploaded in one asynchronous copy
+when the set of buffers changes (the gradients are new buffers every step: autograd
+allocates them after zero_grad), and looked up in a small LRU cache otherwise: no per-chunk
+host table, no device sync. lr and step are host floats; the bias corrections are computed
+on the host; the clip coefficient is computed on the device from the norm's device scalar.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import numpy as np
 
@@ -19,50 +21,82 @@ from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import f32, get_kernel, i32, i64
 from kiln.backend.cuda.launch import ctype
 
-CHUNK = 16384  # elements per block: 256 threads x 4 unrolled x 16 iterations
+CHUNK = 16384  # elements per block: 256 threads x 4-element vectors x 16 iterations
+THREADS = 256
 _ADAMW_PAIRS = {("float", "float"), ("__nv_bfloat16", "__nv_bfloat16"), ("__half", "__half"),
                 ("float", "__nv_bfloat16")}
-_MAX_TABLES = 64
+_MAX_TABLES = 16
+_ctypes: dict = {}
 
 
-class ChunkTable:
-    """Device arrays describing tensors in chunks: ptrs [T*K], sizes [T], wds [T], chunk tensor/start."""
-
-    def __init__(self, ptrs, sizes, weight_decays, chunk_tensor, chunk_start, nchunks):
-        self.ptrs, self.sizes, self.weight_decays = ptrs, sizes, weight_decays
-        self.chunk_tensor, self.chunk_start, self.nchunks = chunk_tensor, chunk_start, nchunks
-
-
-def chunk_layout(sizes, chunk: int = CHUNK):
-    """(chunk_tensor, chunk_start) host arrays splitting each tensor into chunks of `chunk` elements."""
-    tensors, starts = [], []
-    for t, n in enumerate(sizes):
-        for s in range(0, int(n), chunk):
-            tensors.append(t)
-            starts.append(s)
-    return np.asarray(tensors, dtype=np.int32), np.asarray(starts, dtype=np.int64)
+def _ctype(dtype):
+    t = _ctypes.get(dtype, 0)
+    if t == 0:
+        t = _ctypes[dtype] = ctype(dtype)
+    return t
 
 
-_tables: dict = {}
+class TensorTable:
+    """One device buffer: ptrs [T*K] u64 | sizes [T] i64 | block_start [T+1] i64 | weight decays [T] f32."""
+
+    def __init__(self, buf, ntensors: int, k: int):
+        base = rt.ptr(buf)
+        self.buf = buf  # keeps the memory alive
+        self.ntensors = ntensors
+        self.ptrs = np.uint64(base)
+        self.sizes = np.uint64(base + 8 * k * ntensors)
+        self.block_start = np.uint64(base + 8 * (k + 1) * ntensors)
+        self.weight_decays = np.uint64(base + 8 * ((k + 2) * ntensors + 1))
+        self.nblocks = 0
 
 
-def _table(groups, weight_decays=None) -> ChunkTable:
-    """The cached table for tensors given as tuples of arrays (param, grad, m, v) or (array,)."""
-    key = (rt.device_id(), tuple(tuple((rt.ptr(a), a.size) for a in g) for g in groups),
-           None if weight_decays is None else tuple(float(w) for w in weight_decays))
+def block_starts(sizes, chunk: int = CHUNK) -> np.ndarray:
+    """block_start[T + 1]: the first block of each tensor when each is cut into `chunk`-element chunks."""
+    counts = -(-np.asarray(sizes, dtype=np.int64) // chunk)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+_tables: OrderedDict = OrderedDict()
+_layouts: dict = {}  # (K, sizes, weight decays) -> (host buffer without pointers, nblocks)
+
+
+def _layout(k: int, sizes: tuple, weight_decays):
+    """The shape-dependent part of a table, computed once per set of shapes."""
+    key = (k, sizes, weight_decays)
+    got = _layouts.get(key)
+    if got is None:
+        n = len(sizes)
+        host = np.zeros((k + 2) * n + 1 + (n + 1) // 2, dtype=np.uint64)
+        host[k * n:(k + 1) * n] = np.asarray(sizes, dtype=np.int64).view(np.uint64)
+        starts = block_starts(sizes)
+        host[(k + 1) * n:(k + 2) * n + 1] = starts.view(np.uint64)
+        host[(k + 2) * n + 1:].view(np.float32)[:n] = weight_decays if weight_decays is not None else 0.0
+        got = _layouts[key] = (host, int(starts[-1]))
+    return got
+
+
+def _table(groups, weight_decays=None) -> TensorTable:
+    """The table for tensors given as tuples of arrays (param, grad, m, v) or (array,).
+
+    Cached by buffer addresses; on a miss (new gradient buffers: every eager step) only the
+    pointers are written into the cached layout and the buffer is uploaded in one async copy."""
+    ptrs = [a.data.ptr for g in groups for a in g]
+    sizes = tuple(g[0].size for g in groups)
+    wds = None if weight_decays is None else tuple(weight_decays)
+    key = (rt.device_id(), tuple(ptrs), sizes, wds)
     tab = _tables.get(key)
     if tab is not None:
+        _tables.move_to_end(key)
         return tab
-    cp = rt.cupy()
-    sizes = [g[0].size for g in groups]
-    ptrs = np.asarray([rt.ptr(a) for g in groups for a in g], dtype=np.uint64)
-    wds = np.asarray(weight_decays if weight_decays is not None else [0.0] * len(groups), dtype=np.float32)
-    ct, cs = chunk_layout(sizes)
-    tab = ChunkTable(cp.asarray(ptrs), cp.asarray(np.asarray(sizes, dtype=np.int64)), cp.asarray(wds),
-                     cp.asarray(ct), cp.asarray(cs), len(ct))
-    if len(_tables) >= _MAX_TABLES:
-        _tables.clear()
+    k = len(groups[0])
+    layout, nblocks = _layout(k, sizes, wds)
+    host = layout.copy()
+    host[:k * len(groups)] = ptrs
+    tab = TensorTable(rt.cupy().asarray(host), len(groups), k)  # CuPy stages it in pinned memory
+    tab.nblocks = nblocks
     _tables[key] = tab
+    if len(_tables) > _MAX_TABLES:
+        _tables.popitem(last=False)
     return tab
 
 
@@ -70,59 +104,99 @@ def _fusable(*arrays) -> bool:
     return all(a.flags.c_contiguous and a.size > 0 for a in arrays)
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, beta2, eps, step):
-    """One AdamW update of every parameter, in place, torch.optim.AdamW's arithmetic, in fp32."""
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, beta2, eps, step,
+               clip_norm=None, max_norm=0.0):
+    """One AdamW update of every parameter, in place, torch.optim.AdamW's arithmetic, in fp32.
+
+    clip_norm: the global gradient norm as a 0-d float32 device array, or None; when given,
+    every gradient is read as g * min(1, max_norm / (clip_norm + 1e-6)) (torch's clip),
+    computed on the device, so clipping costs no pass and no sync of its own.
+    """
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
     step_size = lr / bias_correction1
     groups: dict = {}
     rest = []
     for p, g, m, v, wd in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays):
-        pair = (ctype(p.dtype), ctype(g.dtype))
+        pair = (_ctype(p.dtype), _ctype(g.dtype))
         if pair in _ADAMW_PAIRS and m.dtype == p.dtype and v.dtype == p.dtype and _fusable(p, g, m, v):
             groups.setdefault(pair, []).append(((p, g, m, v), wd))
         elif p.size:
             rest.append((p, g, m, v, wd))
+    if clip_norm is not None:
+        clip_norm = rt.cupy().asarray(clip_norm, dtype=np.float32).reshape(())
+    norm_arg = np.uint64(0) if clip_norm is None else clip_norm
     for (tp, tg), items in groups.items():
-        tab = _table([t for t, _ in items], [wd for _, wd in items])
+        tab = _table([t for t, _ in items], [float(wd) for _, wd in items])
         get_kernel("adamw.cu", f"adamw_multi<{tp}, {tg}>")(
-            (tab.nchunks,), (256,),
-            (tab.ptrs, tab.sizes, tab.weight_decays, tab.chunk_tensor, tab.chunk_start, i64(CHUNK),
-             f32(lr), f32(beta1), f32(beta2), f32(eps), f32(step_size), f32(bias_correction2_sqrt)))
+            (tab.nblocks,), (THREADS,),
+            (tab.ptrs, tab.sizes, tab.block_start, i32(tab.ntensors), tab.weight_decays, i64(CHUNK),
+             norm_arg, f32(max_norm), f32(lr), f32(beta1), f32(beta2), f32(eps), f32(step_size),
+             f32(1.0 / bias_correction2_sqrt)))
     if rest:  # float64 or non-contiguous: CuPy elementwise ops with the CPU backend's arithmetic
-        cpu.adamw_step(*zip(*rest), lr, beta1, beta2, eps, step)
+        cpu.adamw_step(*zip(*rest), lr, beta1, beta2, eps, step, clip_norm=clip_norm, max_norm=max_norm)
+
+
+class _Reduction:
+    """Per-device scratch of grad_norm: the partial sums and the finished-blocks counter (kept at 0)."""
+
+    def __init__(self):
+        self.partial = None
+        self.counter = rt.cupy().zeros((1,), dtype=np.uint32)
+
+    def partials(self, n: int):
+        if self.partial is None or self.partial.size < n:
+            self.partial = rt.cupy().empty((max(n, 1024),), dtype=np.float32)
+        return self.partial
+
+
+_reductions: dict = {}
 
 
 def grad_norm(grads):
-    """The L2 norm of all gradients together, a 0-d float32 device array (float64 if all are float64)."""
+    """The L2 norm of all gradients together, a 0-d float32 device array (float64 if all are float64).
+
+    One read of every gradient; the last block to finish sums the per-chunk partials in a
+    fixed order (deterministic), so there is no second launch.
+    """
     cp = rt.cupy()
     if grads and all(g.dtype == np.float64 for g in grads):
         return cp.sqrt(sum(cp.vdot(g.ravel(), g.ravel()) for g in grads))
     groups: dict = {}
     rest = []
     for g in grads:
-        t = ctype(g.dtype)
+        t = _ctype(g.dtype)
         if t is not None and _fusable(g):
             groups.setdefault(t, []).append((g,))
         elif g.size:
             rest.append(g)
     tables = {t: _table(items) for t, items in groups.items()}
-    total = sum(tab.nchunks for tab in tables.values()) + len(rest)
-    partial = cp.empty((max(total, 1),), dtype=cp.float32)
+    kernel_blocks = sum(tab.nblocks for tab in tables.values())
+    total = kernel_blocks + len(rest)
+    out = cp.empty((), dtype=cp.float32)
     if total == 0:
-        partial[...] = 0
-    offset = 0
-    for t, tab in tables.items():
-        get_kernel("adamw.cu", f"sumsq_multi<{t}>")(
-            (tab.nchunks,), (256,),
-            (tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, i64(CHUNK), partial, i32(offset)))
-        offset += tab.nchunks
-    for g in rest:
+        out[...] = 0
+        return out
+    dev = rt.device_id()
+    red = _reductions.get(dev)
+    if red is None:
+        red = _reductions[dev] = _Reduction()
+    partial = red.partials(total)
+    offset = kernel_blocks
+    for g in rest:  # written before the kernels run: the finishing block reads them too
         gf = g.astype(cp.float32).ravel()
         partial[offset] = cp.dot(gf, gf)
         offset += 1
-    out = cp.empty((), dtype=cp.float32)
-    get_kernel("adamw.cu", "sumsq_finish")((1,), (1024,), (partial, i32(max(total, 1)), out))
+    if not tables:
+        get_kernel("adamw.cu", "sumsq_finish")((1,), (1024,), (partial, i32(total), out))
+        return out
+    offset = 0
+    for t, tab in tables.items():
+        get_kernel("adamw.cu", f"sumsq_multi<{t}>")(
+            (tab.nblocks,), (THREADS,),
+            (tab.ptrs, tab.sizes, tab.block_start, i32(tab.ntensors), i64(CHUNK), partial, i32(offset),
+             i32(total), red.counter, np.uint32(kernel_blocks), out))
+        offset += tab.nblocks
     return out
 
 
@@ -132,12 +206,12 @@ def scale_(arrays, factor):
     f = cp.asarray(factor, dtype=cp.float32).reshape(())
     groups: dict = {}
     for a in arrays:
-        t = ctype(a.dtype)
+        t = _ctype(a.dtype)
         if t is not None and _fusable(a):
             groups.setdefault(t, []).append((a,))
         elif a.size:
-            a *= cp.asarray(factor).astype(a.dtype)
+            a *= f.astype(a.dtype)
     for t, items in groups.items():
         tab = _table(items)
         get_kernel("adamw.cu", f"scale_multi<{t}>")(
-            (tab.nchunks,), (256,), (tab.ptrs, tab.sizes, tab.chunk_tensor, tab.chunk_start, i64(CHUNK), f))
+            (tab.nblocks,), (THREADS,), (tab.ptrs, tab.sizes, tab.block_start, i32(tab.ntensors), i64(CHUNK), f))

@@ -1,11 +1,25 @@
-"""Embedding lookup and its deterministic backward (stable sort of the indices, one block per run)."""
+"""Embedding lookup and its deterministic backward (kiln's own stable counting sort, then segmented sums).
+
+The backward launches the five phases of `embedding_bwd<T, I>` (kernels/embedding.cu): a
+stable counting sort of the positions by index (tile ranks, prefix over tiles and indices,
+scatter), then fixed-length segments of the sorted order summed one block each, runs that
+cross segments combined in order. No float atomics, no Thrust/CUB, no host sync, no
+shape-dependent host work beyond a few integer sizes: deterministic and capturable.
+"""
 
 from __future__ import annotations
+
+import numpy as np
 
 from kiln.backend.cpu import embedding as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import get_kernel, i32, i64
 from kiln.backend.cuda.launch import as_index, cdiv, contiguous, cpu_fallback, ctype, idx_ctype
+
+EMB_THREADS = 256
+EMB_TILE = 1024           # kEmbTile
+EMB_SEG = 32              # kEmbSeg
+EMB_MAX_V = 4096 * 256 - 1  # kEmbMaxVBlocks * kEmbThreads keys, one of them the out-of-range key
 
 
 def embedding_fwd(weight, idx):
@@ -24,19 +38,30 @@ def embedding_fwd(weight, idx):
 
 
 def embedding_bwd(grad, idx, num_embeddings):
-    """dweight[V, C]: grad rows summed by index in index order, with no atomics (deterministic)."""
+    """dweight[V, C]: grad rows summed by index in position order, with no atomics (deterministic).
+
+    An index outside [0, V) contributes nothing."""
     t = ctype(grad.dtype)
-    if t is None:
+    c = grad.shape[-1]
+    if t is None or num_embeddings > EMB_MAX_V or grad.size >= 2 ** 31 * max(c, 1):
         return cpu_fallback(cpu.embedding_bwd, grad, idx, num_embeddings)
     cp = rt.cupy()
-    c = grad.shape[-1]
     g = contiguous(grad).reshape(-1, c)
     flat = as_index(idx).reshape(-1)
     n = flat.size
     dweight = cp.zeros((num_embeddings, c), dtype=grad.dtype)
-    if n == 0:
+    if n == 0 or c == 0:
         return dweight
-    order = cp.argsort(flat, kind="stable").astype(cp.int64, copy=False)
-    get_kernel("embedding.cu", f"embedding_bwd<{t}, {idx_ctype(flat.dtype)}>")(
-        (n,), (128,), (g, flat, order, dweight, i32(n), i32(c), i64(num_embeddings)))
+    v1 = num_embeddings + 1
+    ntiles, nblocks_v, nseg = cdiv(n, EMB_TILE), cdiv(v1, EMB_THREADS), cdiv(n, EMB_SEG)
+    ints = cp.empty((ntiles * v1 + 3 * n + nblocks_v,), dtype=np.int32)
+    a, b = ntiles * v1, ntiles * v1 + n
+    tile_count, rank, sorted_pos, sorted_key = ints[:a], ints[a:b], ints[b:b + n], ints[b + n:b + 2 * n]
+    block_total = ints[b + 2 * n:]
+    partial = cp.empty((nseg * 2 * c,), dtype=np.float32)
+    kernel = get_kernel("embedding.cu", f"embedding_bwd<{t}, {idx_ctype(flat.dtype)}>")
+    rest = (g, flat, dweight, i32(n), i32(c), i64(num_embeddings), tile_count, rank, block_total,
+            i32(nblocks_v), sorted_pos, sorted_key, partial)
+    for phase, blocks in enumerate((ntiles, nblocks_v, cdiv(n, EMB_THREADS), nseg, nseg)):
+        kernel((blocks,), (EMB_THREADS,), (i32(phase),) + rest)
     return dweight

@@ -115,4 +115,31 @@ __device__ __forceinline__ bool aligned16(const T* p) {
     return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
 }
 
+// Four consecutive elements as floats: one 16-byte access for fp32, one 8-byte access for
+// 16-bit types (the caller guarantees 4 * sizeof(T) alignment; see vec4_aligned).
+template <typename T>
+__device__ __forceinline__ bool vec4_aligned(const T* p) {
+    return (reinterpret_cast<unsigned long long>(p) & (4ull * sizeof(T) - 1ull)) == 0ull;
+}
+
+__device__ __forceinline__ float4 load_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+template <typename T>
+__device__ __forceinline__ float4 load_f4(const T* p) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const T* h = reinterpret_cast<const T*>(&raw);
+    return make_float4(to_float(h[0]), to_float(h[1]), to_float(h[2]), to_float(h[3]));
+}
+
+__device__ __forceinline__ void store_f4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+template <typename T>
+__device__ __forceinline__ void store_f4(T* p, float4 v) {
+    uint2 raw;
+    T* h = reinterpret_cast<T*>(&raw);
+    h[0] = from_float<T>(v.x);
+    h[1] = from_float<T>(v.y);
+    h[2] = from_float<T>(v.z);
+    h[3] = from_float<T>(v.w);
+    *reinterpret_cast<uint2*>(p) = raw;
+}
+
 }  // namespace kiln
