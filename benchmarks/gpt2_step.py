@@ -44,7 +44,8 @@ def _model(args):
 
 def run_kiln(args, batches):
     import kiln
-    from kiln.optim import AdamW, clip_grad_norm_, gpt_param_groups
+    from kiln.graph import CapturedStep
+    from kiln.optim import AdamW, gpt_param_groups
     from kiln.train import apply_precision
     model, _ = _model(args)
     dev = kiln.device("cuda")
@@ -52,16 +53,24 @@ def run_kiln(args, batches):
     apply_precision(model, args.mode, dev)
     backend = dev.backend
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+
+    def step(x, y):  # the Trainer's step: the clip fused into AdamW
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        return loss
+
+    graph = CapturedStep(step) if args.cuda_graph else None
     losses, times = [], []
     for i, (x, y) in enumerate(batches):
         if i == 1:
             backend.end_warmup()  # the paper's allocator: learn the rounding, return step 0's cache
         t0 = time.perf_counter()
-        opt.zero_grad()
-        _, loss = model(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev))
-        loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        xs, ys = kiln.tensor(x, device=dev), kiln.tensor(y, device=dev)
+        # as the Trainer: two eager steps warm kernels, GEMM plans and the allocator, then one graph
+        loss = graph(xs, ys) if graph is not None and i >= 2 else step(xs, ys)
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
     stats = backend.memory_stats()
@@ -120,6 +129,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--n-layer", type=int, default=12)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                    help="kiln runs every step op by op (default: replayed as one CUDA graph from step 2)")
     ap.add_argument("--framework", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -131,7 +142,8 @@ def main() -> None:
         for fw in args.frameworks.split(","):
             cmd = [sys.executable, __file__, "--framework", fw, "--mode", mode, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-                   "--seq-len", str(args.seq_len), "--n-layer", str(args.n_layer)]
+                   "--seq-len", str(args.seq_len), "--n-layer", str(args.n_layer)] + \
+                  ([] if args.cuda_graph else ["--no-cuda-graph"])
             t0 = time.time()
             done = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -163,7 +175,8 @@ def main() -> None:
                   ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
               "command": " ".join(["python", *sys.argv]), "device": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "batch": [args.batch_size, args.seq_len],
-              "n_layer": args.n_layer, "steps": args.steps, "warmup": args.warmup, "rows": rows}
+              "n_layer": args.n_layer, "steps": args.steps, "warmup": args.warmup,
+              "kiln_cuda_graph": args.cuda_graph, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpt2_step-{date}.json").write_text(json.dumps(record, indent=2))

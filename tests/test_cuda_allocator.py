@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.backend.cuda.allocator import (CachingAllocator, OutOfMemoryError, Rounding, choose_rounding,
+from kiln.backend.cuda.allocator import (CachingAllocator, GraphPool, OutOfMemoryError, Rounding, choose_rounding,
                                          simulate)
 from kiln.errors import KilnError
 
@@ -110,3 +110,40 @@ def test_out_of_memory_flushes_cache_then_raises_with_stats():
     with pytest.raises(OutOfMemoryError, match=r"allocating 5000 bytes .*allocated 8192, reserved 8192"):
         a.malloc(5000)
     assert a.memory_stats()["num_ooms"] == 1
+
+
+def test_graph_pool_keeps_captured_blocks_from_eager_work():
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free, record=False)
+    before = a.malloc(4096)  # e.g. last step's gradient: allocated eagerly, freed inside the capture
+    eager_cached = a.malloc(8192)
+    a.free(eager_cached)
+    pool = GraphPool()
+    with a.capture_into(pool):
+        a.free(before)
+        x = a.malloc(8192)        # takes the eager cache's block: the graph owns it now
+        assert x == eager_cached
+        y = a.malloc(4096)        # reuses the block freed inside this capture
+        assert y == before
+        a.free(x)                 # an activation the graph writes on every replay
+        kept = a.malloc(1000)     # a gradient that outlives the capture
+    assert set(pool.blocks) == {before, eager_cached, kept} and pool.reserved_bytes == 4096 + 8192 + 1024
+    # Eager work after the capture never gets a block the graph replays into.
+    z = a.malloc(8192)
+    assert z not in pool.blocks and z != x
+    a.free(y)
+    assert a.malloc(4096) not in pool.blocks
+    assert a.memory_stats()["graph_pool_bytes"] == pool.reserved_bytes
+    a.free(kept)                  # freed later by eager code: back to the graph's pool, not the cache
+    assert pool.free[(0, 1024)] == [kept]
+    a.release_pool(pool)          # the graph is dropped: everything it held is eager cache again
+    assert a.memory_stats()["graph_pool_bytes"] == 0
+    assert a.malloc(8192) == x and a.malloc(1000) == kept
+
+
+def test_captures_do_not_nest():
+    a = CachingAllocator(*(lambda d: (d.malloc, d.free))(FakeDriver()), record=False)
+    with a.capture_into(GraphPool()):
+        with pytest.raises(KilnError, match="nest"):
+            with a.capture_into(GraphPool()):
+                pass

@@ -31,3 +31,7 @@ class DataError(KilnError):
 
 class NotBuiltError(KilnError, NotImplementedError):
     """A part of kiln that is not built yet."""
+
+
+class GraphCaptureError(KilnError):
+    """A step could not be recorded as a CUDA graph (a host sync or an uncapturable call inside it)."""

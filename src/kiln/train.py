@@ -20,6 +20,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import numpy as np
 import kiln
 from kiln.backend import cuda_is_available, device as parse_device
 from kiln.errors import ConfigError, DataError
+from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
 
@@ -65,6 +67,8 @@ class TrainConfig:
     keep_checkpoints: int = 3                # the run folder keeps the newest K checkpoints
     async_checkpoint: bool = True            # write checkpoints on a background thread
     init_from: str | None = None             # start from these weights: a kiln run or a Hugging Face GPT-2 folder
+    cuda_graph: bool = False                 # on CUDA, replay each step as one captured CUDA graph
+                                             # (opt-in: a small-model divergence is open, tests/test_cuda_graph.py)
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
@@ -186,6 +190,8 @@ class Trainer:
         self.sample_rng = np.random.default_rng(0)  # the sampling RNG; a checkpoint keeps its state
         self.stop_signal: int | None = None        # SIGINT/SIGTERM received: stop after this step
         self.checkpoint_stalls: list[float] = []   # seconds each checkpoint held up training
+        self._graph_step: CapturedStep | None = None  # the step as a CUDA graph, recorded at step 2
+        self._graph_failed = False                      # recording it failed once: op by op from then on
 
     # ------------------------------------------------------------------ steps
     def lr_at(self, step: int) -> float:
@@ -198,26 +204,52 @@ class Trainer:
             return kiln.Tensor._wrap(x, self.device), kiln.Tensor._wrap(y, self.device)
         return kiln.tensor(x, device=self.device), kiln.tensor(y, device=self.device)
 
-    def train_step(self) -> dict:
-        """One optimizer step over grad_accum micro-batches; returns loss, lr and grad norm."""
+    def train_step(self, eager: bool = False) -> dict:
+        """One optimizer step over grad_accum micro-batches; returns loss, lr and grad norm.
+
+        On CUDA with config.cuda_graph, from the third step on (the first two warm the allocator,
+        kernels and GEMM plans) the step runs as one captured CUDA graph; eager=True, the
+        profiler and models with dropout (its random stream advances on the host) run it op by op."""
         c = self.config
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        batches = [t for _ in range(c.grad_accum) for t in self._batch(self.train_loader)]
+        loss = None
+        if not eager and self._use_graph():
+            if self._graph_step is None:
+                self._graph_step = CapturedStep(self._step_body)
+            try:
+                loss, norm = self._graph_step(*batches)
+            except GraphCaptureError as e:  # recording failed before anything ran: this step goes op by op
+                self._graph_step, self._graph_failed = None, True
+                warnings.warn(f"the training step cannot run as a CUDA graph, continuing op by op: {e}",
+                              RuntimeWarning, stacklevel=2)
+        if loss is None:
+            loss, norm = self._step_body(*batches)
+        self.last_loss = loss.item()  # the step's one host sync (with the norm's): the logged values
+        self.step += 1
+        return {"step": self.step, "loss": self.last_loss, "lr": lr,
+                "grad_norm": None if norm is None else norm.item()}
+
+    def _use_graph(self) -> bool:
+        return (self.config.cuda_graph and self.device.type == "cuda" and self.step >= 2
+                and self.model_config.dropout == 0.0 and not self._graph_failed)
+
+    def _step_body(self, *batches):
+        """zero_grad, forward and backward over the micro-batches (x0, y0, x1, y1, ...), clip, update:
+        device work only, so that it can be recorded as a CUDA graph. (mean loss, grad norm)."""
+        c = self.config
         self.optimizer.zero_grad()
-        total = 0.0
-        for _ in range(c.grad_accum):
-            x, y = self._batch(self.train_loader)
+        total = None
+        for x, y in zip(batches[::2], batches[1::2]):
             _, loss = self.model(x, y)
             (loss / c.grad_accum).backward() if c.grad_accum > 1 else loss.backward()
-            total += loss.item() / c.grad_accum
-        self.last_loss = total
+            total = loss.detach() if total is None else total + loss.detach()
         # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
         norm = self.optimizer.clip_grad_norm_(c.grad_clip) if c.grad_clip > 0 else None
         self.optimizer.step()
-        self.step += 1
-        return {"step": self.step, "loss": total, "lr": lr,
-                "grad_norm": None if norm is None else norm.item()}
+        return (total / c.grad_accum if c.grad_accum > 1 else total), norm
 
     @kiln.no_grad()
     def evaluate(self) -> float:
@@ -325,7 +357,7 @@ class Trainer:
         from kiln.profiler import Profiler
         with Profiler(self.device) as prof:
             for _ in range(n):
-                row = self.train_step()
+                row = self.train_step(eager=True)  # op by op: the profiler times each kernel
         prof.export_chrome_trace(run / "trace.json")
         table = f"{n} steps from step {self.step - n + 1}\n" + prof.table()
         (run / "profile.txt").write_text(table + "\n")
@@ -378,6 +410,9 @@ class Trainer:
         if state["optimizer"].get("params") != [order[id(p)] for p in self.optimizer.params]:
             raise CheckpointError("the checkpoint's optimizer holds other parameters than this model's "
                                   f"({len(state['optimizer'].get('params') or [])} vs {len(names)})")
+        if self._graph_step is not None:  # the graph would keep updating the old buffers
+            self._graph_step.release()
+            self._graph_step = None
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -23,15 +23,17 @@ def unbroadcast(grad, shape):
 
 
 def scalar_array(like, value):
-    """A Python number as a 0-d array of `like`'s dtype, refusing a float for an integer tensor."""
+    """A Python number as a 0-d array of `like`'s dtype, refusing a float for an integer tensor.
+
+    Made by a fill (on CUDA a kernel taking the value as an argument), not copied from host
+    memory, so that a step using it can be recorded as a CUDA graph."""
     if isinstance(value, bool) or not isinstance(value, numbers.Number):
-        if isinstance(value, bool):
-            return like.backend.xp.asarray(value, dtype=like.dtype.np)
-        raise DTypeError(f"expected a Tensor or a number, got {type(value).__name__}")
-    if not like.dtype.is_floating and not isinstance(value, numbers.Integral):
+        if not isinstance(value, bool):
+            raise DTypeError(f"expected a Tensor or a number, got {type(value).__name__}")
+    elif not like.dtype.is_floating and not isinstance(value, numbers.Integral):
         raise DTypeError(f"a float scalar ({value}) with a {like.dtype} tensor; convert the tensor "
                          "with .to(kiln.float32) first")
-    return like.backend.xp.asarray(value, dtype=like.dtype.np)
+    return like.backend.xp.full((), value, dtype=like.dtype.np)
 
 
 def _operands(x, y):

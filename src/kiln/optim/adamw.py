@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kiln.autograd import no_grad
 from kiln.errors import ConfigError, KilnError
+from kiln.graph import before_each_replay, capturing
 from kiln.tensor import Tensor
 
 
@@ -79,17 +80,24 @@ class AdamW:
 
     @no_grad()
     def step(self) -> None:
-        """One update of every parameter that has a gradient (clipped if clip_grad_norm_ was called)."""
+        """One update of every parameter that has a gradient (clipped if clip_grad_norm_ was called).
+
+        Recorded into a CUDA graph (kiln.graph.CapturedStep), the update reads lr and the bias
+        corrections from a device buffer per param group that a callback refreshes from
+        `param_groups` and the step count before every replay."""
         if self._moments is None:
             self._allocate()
-        self.step_count += 1
+        captured = capturing()
+        if not captured:
+            self.step_count += 1
         exp_avgs, exp_avg_sqs = self._moments
         i = 0
         by_lr: dict = {}
-        for g in self.param_groups:
+        for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 if p.grad is not None:
-                    batch = by_lr.setdefault((g["lr"], p.device), ([], [], [], [], [], p.backend))
+                    key = (gi if captured else g["lr"], p.device)
+                    batch = by_lr.setdefault(key, ([], [], [], [], [], p.backend))
                     batch[0].append(p.data)
                     batch[1].append(p.grad.data)
                     batch[2].append(exp_avgs[i])
@@ -100,9 +108,28 @@ class AdamW:
         b1, b2 = self.betas
         clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
         self._clip = None
+        if captured:
+            self._record_step(by_lr, clip_norm, max_norm)
+            return
         for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
             backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, self.eps, self.step_count,
                                clip_norm=clip_norm, max_norm=max_norm)
+
+    def _record_step(self, by_group, clip_norm, max_norm) -> None:
+        b1, b2 = self.betas
+        hypers = []
+        for (gi, _), (ps, gs, ms, vs, wds, backend) in by_group.items():
+            hyper = backend.adamw_hyper_buffer()
+            hypers.append((gi, hyper, backend))
+            backend.adamw_step(ps, gs, ms, vs, wds, self.param_groups[gi]["lr"], b1, b2, self.eps,
+                               self.step_count + 1, clip_norm=clip_norm, max_norm=max_norm, hyper=hyper)
+
+        def advance():  # before each replay: this step's count, lr and bias corrections
+            self.step_count += 1
+            for gi, hyper, backend in hypers:
+                backend.adamw_set_hyper(hyper, self.param_groups[gi]["lr"], b1, b2, self.step_count)
+
+        before_each_replay(advance)
 
     def state_dict(self) -> dict:
         """Step count, hyperparameters and the moments (backend arrays), in parameter order."""

@@ -5,8 +5,8 @@ Tensor Fusion). A group is described by one small device table (pointers, sizes,
 chunk of each tensor), built with a few NumPy calls and uploaded in one asynchronous copy
 when the set of buffers changes (the gradients are new buffers every step: autograd
 allocates them after zero_grad), and looked up in a small LRU cache otherwise: no per-chunk
-host table, no device sync. lr and step are host floats; the bias corrections are computed
-on the host; the clip coefficient is computed on the device from the norm's device scalar.
+host table, no device sync. lr and step are host floats (or, in a captured graph, read from a
+device buffer written before each replay); the bias corrections are computed on the host; the clip coefficient is computed on the device from the norm's device scalar.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kiln.backend.cpu import adamw as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import f32, get_kernel, i32, i64
 from kiln.backend.cuda.launch import ctype
+from kiln.errors import KilnError
 
 CHUNK = 16384  # elements per block: 256 threads x 4-element vectors x 16 iterations
 THREADS = 256
@@ -57,6 +58,7 @@ def block_starts(sizes, chunk: int = CHUNK) -> np.ndarray:
 
 
 _tables: OrderedDict = OrderedDict()
+_captured_tables: list = []  # tables recorded into CUDA graphs: alive as long as the process
 _layouts: dict = {}  # (K, sizes, weight decays) -> (host buffer without pointers, nblocks)
 
 
@@ -90,13 +92,30 @@ def _table(groups, weight_decays=None) -> TensorTable:
         return tab
     k = len(groups[0])
     layout, nblocks = _layout(k, sizes, wds)
-    host = layout.copy()
-    host[:k * len(groups)] = ptrs
-    tab = TensorTable(rt.cupy().asarray(host), len(groups), k)  # CuPy stages it in pinned memory
+    if rt.stream().is_capturing():
+        # A CUDA graph replays this upload from the same host memory every time: the table
+        # keeps its own pinned copy and is never evicted (graph.py, allocator.py).
+        cp = rt.cupy()
+        import cupyx
+        host = cupyx.empty_pinned(layout.shape, dtype=layout.dtype)
+        host[...] = layout
+        host[:k * len(groups)] = ptrs
+        buf = cp.empty(layout.shape, dtype=layout.dtype)
+        # the runtime call, not MemoryPointer.copy_from_host_async: CuPy refuses any host-to-device
+        # copy while capturing, though one from pinned memory is a valid graph node
+        cp.cuda.runtime.memcpyAsync(buf.data.ptr, host.ctypes.data, host.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, rt.stream().ptr)
+        tab = TensorTable(buf, len(groups), k)
+        tab.host = host
+        _captured_tables.append(tab)
+    else:
+        host = layout.copy()
+        host[:k * len(groups)] = ptrs
+        tab = TensorTable(rt.cupy().asarray(host), len(groups), k)  # CuPy stages it in pinned memory
+        _tables[key] = tab
+        if len(_tables) > _MAX_TABLES:
+            _tables.popitem(last=False)
     tab.nblocks = nblocks
-    _tables[key] = tab
-    if len(_tables) > _MAX_TABLES:
-        _tables.popitem(last=False)
     return tab
 
 
@@ -104,17 +123,33 @@ def _fusable(*arrays) -> bool:
     return all(a.flags.c_contiguous and a.size > 0 for a in arrays)
 
 
+def adamw_hyper(lr, beta1, beta2, step) -> tuple:
+    """(lr, step size, 1 / sqrt(bias correction 2)): the per-step scalars of the update, on the host."""
+    return lr, lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step)
+
+
+def adamw_hyper_buffer():
+    """A device buffer for adamw_hyper's three scalars, read by a captured adamw_step (hyper=...)."""
+    return rt.cupy().empty((3,), dtype=np.float32)  # not zeros: a fill here would be recorded into the graph
+
+
+def adamw_set_hyper(buf, lr, beta1, beta2, step) -> None:
+    """Write adamw_hyper(...) into buf on kiln's stream (a kernel with scalar arguments: no host memory)."""
+    get_kernel("adamw.cu", "adamw_set_hyper")((1,), (1,), (buf, *(f32(x) for x in adamw_hyper(lr, beta1, beta2, step))))
+
+
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, beta2, eps, step,
-               clip_norm=None, max_norm=0.0):
+               clip_norm=None, max_norm=0.0, hyper=None):
     """One AdamW update of every parameter, in place, torch.optim.AdamW's arithmetic, in fp32.
 
     clip_norm: the global gradient norm as a 0-d float32 device array, or None; when given,
     every gradient is read as g * min(1, max_norm / (clip_norm + 1e-6)) (torch's clip),
     computed on the device, so clipping costs no pass and no sync of its own.
+    hyper: a device buffer from adamw_hyper_buffer(); the kernel then reads lr, the step size
+    and the bias correction from it instead of the host floats, so a captured CUDA graph can
+    replay the step with each step's values (written by adamw_set_hyper before the replay).
     """
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    step_size = lr / bias_correction1
+    _, step_size, inv_bc2_sqrt = adamw_hyper(lr, beta1, beta2, step)
     groups: dict = {}
     rest = []
     for p, g, m, v, wd in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays):
@@ -132,7 +167,10 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, b
             (tab.nblocks,), (THREADS,),
             (tab.ptrs, tab.sizes, tab.block_start, i32(tab.ntensors), tab.weight_decays, i64(CHUNK),
              norm_arg, f32(max_norm), f32(lr), f32(beta1), f32(beta2), f32(eps), f32(step_size),
-             f32(1.0 / bias_correction2_sqrt)))
+             f32(inv_bc2_sqrt), np.uint64(0) if hyper is None else hyper))
+    if rest and hyper is not None:
+        raise KilnError("a captured AdamW step needs every parameter contiguous and in float32, bfloat16 "
+                        f"or float16; {len(rest)} are not")
     if rest:  # float64 or non-contiguous: CuPy elementwise ops with the CPU backend's arithmetic
         cpu.adamw_step(*zip(*rest), lr, beta1, beta2, eps, step, clip_norm=clip_norm, max_norm=max_norm)
 

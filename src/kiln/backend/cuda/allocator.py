@@ -13,11 +13,18 @@ step finds its blocks again every step and the pool stops growing.
 Every block is one cudaMalloc (256-byte aligned), cached on free and reused at once: safe
 because all of kiln's work is ordered on its one stream (device.stream()). Memory handed to
 another stream (NCCL, a copy stream) must be ordered with events by its user.
+
+A captured CUDA graph replays into the addresses it was recorded with, long after Python
+freed them. So while a graph is captured (`capture_into(pool)`) every block allocated or
+freed belongs to that GraphPool: a block freed during capture is reused only by later
+requests of the same capture, never by eager work, and the pool's blocks stay reserved
+until the graph is dropped (`release_pool`).
 The bookkeeping is pure Python with injectable driver calls, so CPU tests can check it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from kiln.errors import KilnError
@@ -105,6 +112,18 @@ def choose_rounding(trace, smalls=SMALL_GRANULARITIES, larges=LARGE_GRANULARITIE
     return r, {**sim, "wasted": sim["reserved"] - sim["peak_requested"]}
 
 
+class GraphPool:
+    """The blocks a captured graph owns: its free list (reused only inside its capture) and all of them."""
+
+    def __init__(self):
+        self.free: dict = {}     # (device, rounded size) -> [ptr]
+        self.blocks: dict = {}   # ptr -> (device, rounded size)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(r for _, r in self.blocks.values())
+
+
 class CachingAllocator:
     """Exact-size block pools over injectable driver malloc/free (cudaMalloc/cudaFree by default)."""
 
@@ -118,6 +137,8 @@ class CachingAllocator:
         self._free: dict = {}   # (device, rounded size) -> [ptr]
         self._live: dict = {}   # ptr -> (device, rounded size, requested size, trace id)
         self._trace = [] if record else None
+        self._capturing: GraphPool | None = None
+        self._pools: list = []  # pools of graphs that can still be replayed
         self._next_id = 0
         self.learned: dict | None = None
         self._stats = dict.fromkeys(("allocated_bytes", "requested_bytes", "reserved_bytes",
@@ -130,11 +151,16 @@ class CachingAllocator:
         size = int(size)
         with self._lock:
             r = self.rounding(size)
-            pool = self._free.get((device_id, r))
+            graph = self._capturing
+            pool = graph.free.get((device_id, r)) if graph is not None else None
+            if not pool:
+                pool = self._free.get((device_id, r))
             if pool:
                 ptr = pool.pop()
             else:
                 ptr = self._grow(r, size, device_id)
+            if graph is not None:
+                graph.blocks[ptr] = (device_id, r)
             ident = None
             if self._trace is not None:
                 ident = self._next_id
@@ -157,7 +183,8 @@ class CachingAllocator:
             if got is None:
                 return
             dev, r, size, ident = got
-            self._free.setdefault((dev, r), []).append(ptr)
+            graph = self._owner(ptr)
+            (graph.free if graph is not None else self._free).setdefault((dev, r), []).append(ptr)
             if self._trace is not None and ident is not None:
                 self._trace.append(("free", ident, 0))
             st = self._stats
@@ -199,6 +226,41 @@ class CachingAllocator:
         self._stats["reserved_bytes"] -= released
         return released
 
+    def _owner(self, ptr: int) -> GraphPool | None:
+        """The graph pool a block belongs to: the one being captured, or one it was captured into."""
+        if self._capturing is not None:
+            return self._capturing
+        for pool in self._pools:
+            if ptr in pool.blocks:
+                return pool
+        return None
+
+    @contextlib.contextmanager
+    def capture_into(self, pool: GraphPool):
+        """While a graph is captured: blocks come from (and are freed into) `pool`, never the eager cache."""
+        with self._lock:
+            if self._capturing is not None:
+                raise KilnError("a CUDA graph is already being captured; captures do not nest")
+            self._capturing = pool
+        try:
+            yield pool
+        finally:
+            with self._lock:
+                self._capturing = None
+                if pool.blocks and pool not in self._pools:
+                    self._pools.append(pool)
+
+    def release_pool(self, pool: GraphPool) -> None:
+        """The graph is dropped: its free blocks join the eager cache; blocks still live follow on free."""
+        with self._lock:
+            if pool in self._pools:
+                self._pools.remove(pool)
+            live = {p for p in pool.blocks if p in self._live}
+            for key, ptrs in pool.free.items():
+                self._free.setdefault(key, []).extend(ptrs)
+            pool.free.clear()
+            pool.blocks = {p: v for p, v in pool.blocks.items() if p in live}
+
     def release_unused(self) -> int:
         """Return every cached (free) block to the driver; the number of bytes released."""
         with self._lock:
@@ -220,6 +282,7 @@ class CachingAllocator:
         st["cached_bytes"] = st["reserved_bytes"] - st["allocated_bytes"]
         st["wasted_bytes"] = st["reserved_bytes"] - st["requested_bytes"]  # rounding + idle cache
         st["rounding_waste_bytes"] = st["allocated_bytes"] - st["requested_bytes"]
+        st["graph_pool_bytes"] = sum(pool.reserved_bytes for pool in self._pools)  # held for graph replays
         st["rounding"] = self.rounding.as_dict()
         st["warmup"] = self._trace is not None
         return st

@@ -79,7 +79,7 @@ FAMILIES = {
                                                           ("__nv_bfloat16", "__nv_bfloat16"),
                                                           ("__half", "__half"),
                                                           ("float", "__nv_bfloat16"))]
-                 + [f"sumsq_multi<{t}>" for t in _F] + ["sumsq_finish"]
+                 + [f"sumsq_multi<{t}>" for t in _F] + ["sumsq_finish", "adamw_set_hyper"]
                  + [f"scale_multi<{t}>" for t in _F]),
     "random.cu": ([f"philox_uniform<{t}>" for t in _F] + [f"philox_normal<{t}>" for t in _F]
                   + [f"dropout_fwd<{t}>" for t in _F]),

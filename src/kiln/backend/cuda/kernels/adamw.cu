@@ -57,7 +57,13 @@ __global__ void __launch_bounds__(kMtThreads) adamw_multi(const unsigned long lo
                                                           long long chunk_size, const float* clip_norm,
                                                           float max_norm, float lr, float beta1, float beta2,
                                                           float eps, float step_size,
-                                                          float inv_bias_correction2_sqrt) {
+                                                          float inv_bias_correction2_sqrt,
+                                                          const float* __restrict__ hyper) {
+    if (hyper != nullptr) {  // a replayed CUDA graph: this step's scalars, written before the replay
+        lr = hyper[0];
+        step_size = hyper[1];
+        inv_bias_correction2_sqrt = hyper[2];
+    }
     const int t = owner_tensor(block_start, T, blockIdx.x);
     const long long start = (blockIdx.x - block_start[t]) * chunk_size;
     const long long end = min(start + chunk_size, sizes[t]);
@@ -195,4 +201,11 @@ __global__ void __launch_bounds__(kMtThreads) scale_multi(const unsigned long lo
         tail = vend;
     }
     for (long long e = tail + threadIdx.x; e < end; e += kMtThreads) a[e] = from_float<T>(to_float(a[e]) * f);
+}
+
+// hyper[0..2] = (lr, step size, 1 / sqrt(bias correction 2)) for adamw_multi in a captured graph.
+__global__ void adamw_set_hyper(float* hyper, float lr, float step_size, float inv_bc2_sqrt) {
+    hyper[0] = lr;
+    hyper[1] = step_size;
+    hyper[2] = inv_bc2_sqrt;
 }

@@ -1,0 +1,58 @@
+"""CUDA graph capture and replay on kiln's stream (the backend half of kiln.graph).
+
+`capture(fn)` records everything `fn` queues on kiln's stream into one CUDA graph instead of
+running it; `launch(graph)` replays it. The caching allocator serves the capture from a
+GraphPool of its own, so the addresses the graph recorded stay reserved for it (allocator.py).
+"""
+
+from __future__ import annotations
+
+from kiln.backend.cuda import allocator
+from kiln.backend.cuda import device as rt
+from kiln.errors import GraphCaptureError
+
+
+class CapturedGraph:
+    """An instantiated CUDA graph, the allocator pool its memory lives in, and fn's result."""
+
+    def __init__(self, graph, pool, result):
+        self.graph, self.pool, self.result = graph, pool, result
+
+    def launch(self) -> None:
+        self.graph.launch(stream=rt.stream())
+
+    def release(self) -> None:
+        """Drop the graph; its memory goes back to the allocator's eager cache."""
+        if self.graph is not None:
+            rt.stream().synchronize()
+            self.graph = None
+            alloc = allocator.installed()
+            if alloc is not None:
+                alloc.release_pool(self.pool)
+
+
+def capture(fn) -> CapturedGraph:
+    """Record fn() on kiln's stream as a CUDA graph (nothing runs until launch); fn's result rides along."""
+    alloc = allocator.installed()
+    if alloc is None:
+        raise GraphCaptureError("CUDA graph capture needs kiln's caching allocator "
+                                "(KILN_CUDA_ALLOCATOR=cupy turns it off)")
+    s = rt.stream()
+    s.synchronize()
+    pool = allocator.GraphPool()
+    with alloc.capture_into(pool):
+        s.begin_capture()
+        try:
+            result = fn()
+        except BaseException as e:
+            try:
+                s.end_capture()
+            except Exception:  # the capture was already invalidated by the failure
+                pass
+            alloc.release_pool(pool)
+            raise GraphCaptureError(f"recording the step as a CUDA graph failed: {type(e).__name__}: {e}. "
+                                    "Something in the step synchronises with the host or cannot be "
+                                    "captured; run it without the graph (cuda_graph=False)") from e
+        graph = s.end_capture()
+    graph.upload(stream=s)
+    return CapturedGraph(graph, pool, result)
