@@ -147,3 +147,16 @@ def test_captures_do_not_nest():
         with pytest.raises(KilnError, match="nest"):
             with a.capture_into(GraphPool()):
                 pass
+
+
+def test_a_block_of_a_live_graph_freed_during_another_capture_stays_with_its_graph():
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free, record=False)
+    first, second = GraphPool(), GraphPool()
+    with a.capture_into(first):
+        grad = a.malloc(4096)     # e.g. a gradient the first graph writes on every replay
+    with a.capture_into(second):
+        a.free(grad)              # Python drops it while the second graph is recorded
+        other = a.malloc(4096)    # the second graph must not get the first graph's block
+    assert other != grad
+    assert first.free[(0, 4096)] == [grad] and grad not in second.blocks

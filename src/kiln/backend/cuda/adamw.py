@@ -86,13 +86,14 @@ def _table(groups, weight_decays=None) -> TensorTable:
     sizes = tuple(g[0].size for g in groups)
     wds = None if weight_decays is None else tuple(weight_decays)
     key = (rt.device_id(), tuple(ptrs), sizes, wds)
-    tab = _tables.get(key)
+    capturing = rt.stream().is_capturing()
+    tab = None if capturing else _tables.get(key)  # an eager table may be evicted (freed) while a graph reads it
     if tab is not None:
         _tables.move_to_end(key)
         return tab
     k = len(groups[0])
     layout, nblocks = _layout(k, sizes, wds)
-    if rt.stream().is_capturing():
+    if capturing:
         # A CUDA graph replays this upload from the same host memory every time: the table
         # keeps its own pinned copy and is never evicted (graph.py, allocator.py).
         cp = rt.cupy()

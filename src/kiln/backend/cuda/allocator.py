@@ -227,13 +227,12 @@ class CachingAllocator:
         return released
 
     def _owner(self, ptr: int) -> GraphPool | None:
-        """The graph pool a block belongs to: the one being captured, or one it was captured into."""
-        if self._capturing is not None:
-            return self._capturing
+        """The graph pool a freed block returns to: the one it was captured into (that graph may still
+        replay into it), else the pool being captured now, else none (the eager cache)."""
         for pool in self._pools:
             if ptr in pool.blocks:
                 return pool
-        return None
+        return self._capturing
 
     @contextlib.contextmanager
     def capture_into(self, pool: GraphPool):
