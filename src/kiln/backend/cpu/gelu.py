@@ -1,4 +1,8 @@
-"""GELU in GPT-2's tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+"""GELU in GPT-2's tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+Written as in-place passes over one or two scratch arrays: NumPy's temporaries, not tanh,
+were most of the time (a fresh array per operator).
+"""
 
 import math
 
@@ -10,15 +14,35 @@ _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
 
 
+def _inner_tanh(xf):
+    """tanh(K x (1 + C x^2)) as a new array."""
+    t = np.multiply(xf, xf)
+    t *= _K * _C
+    t += _K
+    t *= xf
+    return np.tanh(t, out=t)
+
+
 def gelu_fwd(x):
     xf = upcast(x)
-    y = 0.5 * xf * (1.0 + np.tanh(_K * (xf + _C * xf * xf * xf)))
+    y = _inner_tanh(xf)
+    y += 1.0
+    y *= xf
+    y *= 0.5
     return y.astype(x.dtype, copy=False)
 
 
 def gelu_bwd(grad, x):
+    """grad * d gelu / dx = grad * (0.5 (1 + t) + 0.5 x (1 - t^2) K (1 + 3 C x^2))."""
     xf = upcast(x)
-    x2 = xf * xf
-    t = np.tanh(_K * xf * (1.0 + _C * x2))
-    dydx = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * (_K * (1.0 + 3.0 * _C * x2))
-    return (upcast(grad) * dydx).astype(x.dtype, copy=False)
+    t = _inner_tanh(xf)
+    s = np.multiply(xf, xf)
+    s *= 1.5 * _K * _C
+    s += 0.5 * _K
+    s *= xf                      # 0.5 K x (1 + 3 C x^2)
+    s *= 1.0 - t * t
+    t += 1.0
+    t *= 0.5
+    t += s
+    t *= upcast(grad)
+    return t.astype(x.dtype, copy=False)
