@@ -18,6 +18,17 @@ from kiln.checkpoint import AsyncSaver, CheckpointError, CheckpointFolder, descr
 from kiln.cli import main
 from kiln.train import TrainConfig, Trainer
 
+
+def stopped_run_folder(full, step: int, dest):
+    """dest made into the run folder `full` as it was when stopped after `step`: that checkpoint
+    (hard-linked) and the first `step` metrics rows."""
+    ck = CheckpointFolder(full / "checkpoints")
+    (dest / "checkpoints").mkdir(parents=True)
+    os.link(ck.path_for(step), dest / "checkpoints" / ck.path_for(step).name)
+    lines = open(full / "metrics.jsonl").read().splitlines()[:step]
+    (dest / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return dest
+
 SMALL = dict(model_overrides={"n_layer": 2, "n_embd": 32, "n_head": 4, "block_size": 32, "dropout": 0.1},
              batch_size=4, device="cpu", progress=False, eval_iters=2, sample_tokens=20)
 
@@ -318,12 +329,7 @@ def test_resume_is_bit_exact(tmp_path, async_checkpoint):
     full = Trainer(TrainConfig(**cfg, run_name="full")).fit()
     ck = CheckpointFolder(tmp_path / "full" / "checkpoints")
     assert [s for s, _ in ck.checkpoints()] == [4, 8, 10]
-    # a run stopped after step 4: its folder as it was then
-    stopped = tmp_path / "stopped"
-    (stopped / "checkpoints").mkdir(parents=True)
-    os.link(ck.path_for(4), stopped / "checkpoints" / ck.path_for(4).name)
-    lines = open(tmp_path / "full" / "metrics.jsonl").read().splitlines()[:4]
-    (stopped / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    stopped = stopped_run_folder(tmp_path / "full", 4, tmp_path / "stopped")
     resumed = Trainer.from_checkpoint(stopped)
     assert resumed.step == 4 and resumed.optimizer.step_count == 4
     again = resumed.fit()

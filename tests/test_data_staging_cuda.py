@@ -3,7 +3,6 @@ several wraps, exact resume, the synchronous fallback gives the same batches, th
 own stream and overlaps compute, and the two events order the buffers both ways."""
 
 import json
-import os
 import time
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 
 import kiln
 from kiln.data.loader import ShardLoader, split_window
+from tests.test_checkpoint import stopped_run_folder
 from tests.test_data_loader import make_shards, take
 
 pytestmark = [pytest.mark.cuda,
@@ -201,11 +201,7 @@ def test_the_trainer_trains_from_the_staged_loader_and_resumes_exactly(tmp_path)
                                       grad_accum=2), run_name="full"))
     full.fit()
     ck = CheckpointFolder(tmp_path / "full" / "checkpoints")
-    stopped = tmp_path / "stopped"
-    (stopped / "checkpoints").mkdir(parents=True)
-    os.link(ck.path_for(4), stopped / "checkpoints" / ck.path_for(4).name)
-    lines = open(tmp_path / "full" / "metrics.jsonl").read().splitlines()[:4]
-    (stopped / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    stopped = stopped_run_folder(tmp_path / "full", 4, tmp_path / "stopped")
     resumed = Trainer.from_checkpoint(stopped)
     assert resumed.train_loader.pinned
     # the saved position is the next batch to train on: 4 steps x 2 micro-batches read
