@@ -4,6 +4,8 @@ The forward returns the output and the per-row log-sum-exp of the scaled scores;
 recomputes the probabilities from them, so the [T, T] matrix is not saved between the two.
 """
 
+import functools
+
 import numpy as np
 
 from kiln.backend.cpu.compute import upcast
@@ -20,11 +22,20 @@ def _transposed(a):
     return np.ascontiguousarray(np.swapaxes(a, -1, -2))
 
 
+@functools.lru_cache(maxsize=8)
+def _causal_mask(t: int, dtype) -> np.ndarray:
+    """[T, T]: 0 on and below the diagonal, -inf above it (read-only, shared)."""
+    m = np.triu(np.full((t, t), -np.inf, dtype=dtype), 1)
+    m.flags.writeable = False
+    return m
+
+
 def _causal_scores(q, k, scale):
-    t = q.shape[-2]
-    s = q @ _transposed(k)
-    s *= scale
-    s += np.triu(np.full((t, t), -np.inf, dtype=s.dtype), 1)
+    """scale * q @ k^T, masked; the scale is applied to k^T ([D, T]), not to the [T, T] scores."""
+    kt = _transposed(k)
+    kt *= scale
+    s = q @ kt
+    s += _causal_mask(q.shape[-2], s.dtype)
     return s
 
 
@@ -51,8 +62,9 @@ def attention_bwd(grad, q, k, v, out, lse, scale):
     dp = g @ _transposed(vc)
     dp -= (g * upcast(out)).sum(axis=-1, keepdims=True)
     dp *= p
-    dp *= scale
     dq = dp @ kc
+    dq *= scale  # the scale on the [T, D] products, not on the [T, T] dp
     dk = np.swapaxes(dp, -1, -2) @ qc
+    dk *= scale
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
             dv.astype(v.dtype, copy=False))
