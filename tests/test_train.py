@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from kiln.cli import main
+from kiln.cli import build_parser, main
 from kiln.train import TrainConfig, Trainer, load_run
 
 SMALL = dict(model_overrides={"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64},
@@ -75,3 +75,13 @@ def test_cli_train_then_sample(tmp_path):
                              "--prompt", "The if", "--tokens", "20"], capture_output=True, text=True)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("The if") and len(sample.stdout) > 10
+
+
+def test_cuda_graph_flag_reaches_the_config_and_a_cpu_run_is_unchanged(tmp_path):
+    args = build_parser().parse_args(["train", "--cuda-graph"])
+    assert args.cuda_graph is True and build_parser().parse_args(["train"]).cuda_graph is None
+    common = dict(model="tiny", device="cpu", max_steps=4, batch_size=2, eval_interval=4, eval_iters=1,
+                  sample_tokens=0, progress=False, out_dir=str(tmp_path), model_overrides={"n_layer": 1})
+    plain = Trainer(TrainConfig(**common, run_name="plain")).fit()
+    graph = Trainer(TrainConfig(**common, run_name="graph", cuda_graph=True)).fit()  # graphs are CUDA-only
+    assert graph["final_train_loss"] == plain["final_train_loss"]
