@@ -299,12 +299,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
 //   A 16x16, row-major:  a[0] = (g, 2c..2c+1)  a[1] = (g+8, 2c..)  a[2] = (g, 2c+8..)  a[3] = (g+8, 2c+8..)
 //   B 16x8 (k x n):      b[0] = (k 2c..2c+1, n g)                   b[1] = (k 2c+8.., n g)
 //   C 16x8, fp32:        c[0..1] = (g, 2c..2c+1)                    c[2..3] = (g+8, 2c..2c+1)
-// So an A fragment of X [rows, k] and a B fragment of Yᵀ for Y stored [n][k] are 32-bit loads of
-// row-major tiles, and the C fragments of two adjacent 16x8 score tiles are exactly the A
-// fragment of the next product (flash-attention 2's register reuse: P never touches memory).
-// Operands needed as B with k along rows of a row-major source (V in P·V, dO in Pᵀ·dO, Q in
-// dSᵀ·Q, K in dS·K) are stored transposed in shared memory on their way in. Row strides are
-// padded by 8 elements, which makes the fragment loads free of bank conflicts.
+// The C fragments of two adjacent 16x8 score tiles are exactly the A fragment of the next
+// product (flash-attention 2's register reuse: P never touches memory). Every streamed tile
+// (K, V in the forward and dQ; Q, dO in dK/dV) stays row-major in shared memory: B fragments of
+// Yᵀ for Y stored [n][k] come from ldmatrix.x4, and those of Y stored [k][n] (V in P·V, dO in
+// Pᵀ·dO, Q in dSᵀ·Q, K in dS·K) from ldmatrix.x4.trans, four 8x8 matrices (two mma's worth) per
+// instruction. Tiles arrive by cp.async into two buffers: tile i+1 is in flight while tile i is
+// computed, so the block does not idle on global latency. Row strides are padded by 8
+// elements (16 bytes), which keeps both ldmatrix forms free of bank conflicts.
 // Scores are kept in log2 units (scale·log2 e folded in) so each exponential is one exp2f.
 
 using u32 = unsigned int;  // NVRTC has no <cstdint>
@@ -344,35 +346,54 @@ template <typename T> __device__ __forceinline__ u32 ld32(const T* p) {
     return *reinterpret_cast<const u32*>(p);
 }
 
-// Rows [r0, r0 + R) of a row-major [n_t, D] matrix into dst [R][D + 8], zeros past n_t.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// Global -> shared without a trip through registers; zero-filled when !ok (src stays a valid
+// address then, the caller clamps it).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// Starts copying rows [r0, r0 + R) of a row-major [n_t, D] matrix into dst [R][D + 8] (zeros
+// past n_t); the caller commits the group.
 template <typename T, int R, int D>
-__device__ __forceinline__ void tile_load(T (*dst)[D + 8], const T* __restrict__ src, int r0, int n_t) {
-    constexpr int CH = D / 8;
+__device__ __forceinline__ void tile_async(T (*dst)[D + 8], const T* __restrict__ src, int r0, int n_t) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    static_assert((R * CH) % kAttnThreads == 0, "tile chunks must divide among the threads");
 #pragma unroll
-    for (int i = threadIdx.x; i < R * CH; i += kAttnThreads) {
-        const int r = i / CH, col = (i % CH) * 8;
-        int4 x = make_int4(0, 0, 0, 0);
-        if (r0 + r < n_t) x = *reinterpret_cast<const int4*>(src + (long long)(r0 + r) * D + col);
-        *reinterpret_cast<int4*>(&dst[r][col]) = x;
+    for (int it = 0; it < R * CH / kAttnThreads; ++it) {
+        const int i = it * kAttnThreads + threadIdx.x, r = i / CH, col = (i % CH) * 8;
+        const bool ok = r0 + r < n_t;
+        cp_async16(smem_addr(&dst[r][col]), src + (long long)(ok ? r0 + r : 0) * D + col, ok);
     }
 }
 
-// The same rows, transposed: dst[d][r] = src[r0 + r][d]. Consecutive lanes take consecutive
-// rows so that the 2-byte shared stores of a warp land in distinct words.
-template <typename T, int R, int D>
-__device__ __forceinline__ void tile_load_t(T (*dst)[R + 8], const T* __restrict__ src, int r0, int n_t) {
-    constexpr int CH = D / 8;
-#pragma unroll
-    for (int i = threadIdx.x; i < R * CH; i += kAttnThreads) {
-        const int r = i % R, col = (i / R) * 8;
-        Pack<T> x;
-        if (r0 + r < n_t) {
-            x = load_pack(src + (long long)(r0 + r) * D + col);
-        } else {
-            *reinterpret_cast<int4*>(&x) = make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) dst[col + j][r] = x.v[j];
+// The same for R floats [r0, r0 + R) of a vector (zeros past n_t).
+template <int R>
+__device__ __forceinline__ void vec_async(float* dst, const float* __restrict__ src, int r0, int n_t) {
+    for (int i = threadIdx.x; i < R; i += kAttnThreads) {
+        const bool ok = r0 + i < n_t;
+        cp_async4(smem_addr(dst + i), src + (ok ? r0 + i : 0), ok);
     }
 }
 
@@ -391,35 +412,47 @@ __device__ __forceinline__ void frag_load_a(u32 (&a)[D / 16][4], const T* __rest
     }
 }
 
-// acc[N/8][4] += A[16, K] · Bᵀ where A is given as fragments a[K/16][4] and B is stored [N][K + pad]
-// in shared memory (row stride LD elements).
+// acc[N/8][4] += A[16, K] · Bᵀ where A is given as fragments a[K/16][4] and B is stored [N][LD]
+// row-major in shared memory at byte address b (N rows of K used columns). One ldmatrix.x4
+// gives the two B fragments of n-tiles j and j + 1: lanes 0-7 address (rows j*8.., k lo),
+// 8-15 (j*8.., k hi), 16-23 (j*8+8.., k lo), 24-31 (j*8+8.., k hi).
 template <typename T, int N, int K, int LD>
-__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], const T* b) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "tiles of 16");
+    const int lane = threadIdx.x & 31;
+    const u32 lane_b = b + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * (int)sizeof(T);
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
+    for (int j = 0; j < N / 8; j += 2) {
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) {
-            const T* p = b + (j * 8 + g) * LD + kk * 16 + 2 * c;
-            mma16816<T>(acc[j], a[kk], ld32(p), ld32(p + 8));
+            u32 f[4];
+            ldsm_x4(f, lane_b + (j * 8 * LD + kk * 16) * (int)sizeof(T));
+            mma16816<T>(acc[j], a[kk], f[0], f[1]);
+            mma16816<T>(acc[j + 1], a[kk], f[2], f[3]);
         }
     }
 }
 
 // acc[N/8][4] += P[16, K] · B where P is given as C fragments p[K/8][4] (fp32, rounded to T here)
-// and B is stored transposed [N][K + pad] in shared memory (row stride LD).
+// and B is stored [K][LD] row-major in shared memory at byte address b (K rows of N used
+// columns). ldmatrix.x4.trans: lanes 0-7 address (k rows kk*16.., n j*8), 8-15 (k rows kk*16+8..,
+// n j*8), 16-23 (kk*16.., n j*8+8), 24-31 (kk*16+8.., n j*8+8).
 template <typename T, int N, int K, int LD>
-__device__ __forceinline__ void mma_cb(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const T* bt) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+__device__ __forceinline__ void mma_pb(float (&acc)[N / 8][4], const float (&p)[K / 8][4], u32 b) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "tiles of 16");
+    const int lane = threadIdx.x & 31;
+    const u32 lane_b = b + (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8) * (int)sizeof(T);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         const u32 a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                               pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                               pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+                          pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                          pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-            const T* q = bt + (j * 8 + g) * LD + kk * 16 + 2 * c;
-            mma16816<T>(acc[j], a, ld32(q), ld32(q + 8));
+        for (int j = 0; j < N / 8; j += 2) {
+            u32 f[4];
+            ldsm_x4_t(f, lane_b + (kk * 16 * LD + j * 8) * (int)sizeof(T));
+            mma16816<T>(acc[j], a, f[0], f[1]);
+            mma16816<T>(acc[j + 1], a, f[2], f[3]);
         }
     }
 }
@@ -450,38 +483,52 @@ __device__ __forceinline__ void frag_store(T* __restrict__ dst, const float (&ac
 constexpr int kTcRows = 64;  // rows per block in every tensor-core kernel: 4 warps x 16
 
 template <int D> struct TcShape {
-    // Queries per tile in dK/dV and keys per tile in dQ: static shared memory stays under 48 KiB
-    // and the dK/dV kernel (K, V fragments and both accumulators in registers) does not spill.
+    // Rows per streamed tile: keys in the forward and dQ, queries in dK/dV. Two buffers of two
+    // tiles keep static shared memory under 48 KiB; dK/dV at D = 128 (K, V fragments and both
+    // accumulators in registers) takes 16 so that it does not spill.
+    static constexpr int fwd_k = D >= 128 ? 32 : 64;
     static constexpr int dkdv_q = D >= 128 ? 16 : 64;
     static constexpr int dq_k = D >= 128 ? 32 : 64;
+    // Resident blocks per SM the forward asks ptxas for: at D = 64, 4 (128 registers, no spills)
+    // rather than the 3 that 141 registers would allow.
+    static constexpr int fwd_blocks = D == 64 ? 4 : 1;
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k,
-                                                                 const T* __restrict__ v, T* __restrict__ out,
-                                                                 float* __restrict__ lse, int n_t, float scale) {
-    constexpr int BN = kTcRows;
-    __shared__ __align__(16) T Ks[BN][D + 8];
-    __shared__ __align__(16) T Vt[D][BN + 8];
+__global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
+    attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+                     float* __restrict__ lse, int n_t, float scale) {
+    constexpr int BN = TcShape<D>::fwd_k, LD = D + 8;
+    __shared__ __align__(16) T Ks[2][BN][LD];
+    __shared__ __align__(16) T Vs[2][BN][LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const long long base = (long long)blockIdx.y * n_t * D;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;  // the longest rows first
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
+    const int q_last = min(m0 + kTcRows, n_t) - 1;
+    const int n_tiles = q_last / BN + 1;
+    tile_async<T, BN, D>(Ks[0], k + base, 0, n_t);
+    tile_async<T, BN, D>(Vs[0], v + base, 0, n_t);
+    cp_async_commit();
     u32 qa[D / 16][4];
     frag_load_a<T, D>(qa, q + base, row0, n_t);
     float o[D / 8][4];
     zero_acc(o);
     float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
-    const int q_last = min(m0 + kTcRows, n_t) - 1;
-    for (int n0 = 0; n0 <= q_last; n0 += BN) {
-        __syncthreads();
-        tile_load<T, BN, D>(Ks, k + base, n0, n_t);
-        tile_load_t<T, BN, D>(Vt, v + base, n0, n_t);
-        __syncthreads();
+    for (int it = 0; it < n_tiles; ++it) {
+        const int n0 = it * BN, buf = it & 1;
+        cp_async_wait_all();
+        __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
+        if (it + 1 < n_tiles) {
+            tile_async<T, BN, D>(Ks[buf ^ 1], k + base, n0 + BN, n_t);
+            tile_async<T, BN, D>(Vs[buf ^ 1], v + base, n0 + BN, n_t);
+            cp_async_commit();
+        }
+        if (n0 > row0 + 15) continue;  // every key of this tile is after every row of this warp
         float s[BN / 8][4];
         zero_acc(s);
-        mma_abt<T, BN, D, D + 8>(s, qa, &Ks[0][0]);
+        mma_abt<T, BN, D, LD>(s, qa, smem_addr(&Ks[buf][0][0]));
         const bool diag = n0 + BN - 1 > row0;  // some key of this tile is after some row of this warp
         float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
 #pragma unroll
@@ -525,7 +572,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_fwd_tc(const T* __rest
             o[j][2] *= a_hi;
             o[j][3] *= a_hi;
         }
-        mma_cb<T, D, BN, BN + 8>(o, s, &Vt[0][0]);
+        mma_pb<T, D, BN, LD>(o, s, smem_addr(&Vs[buf][0][0]));
     }
 #pragma unroll
     for (int o_ = 1; o_ <= 2; o_ <<= 1) {
@@ -547,58 +594,70 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
     int n_t, float scale) {
-    constexpr int BQ = TcShape<D>::dkdv_q;
-    __shared__ __align__(16) T Qs[BQ][D + 8];
-    __shared__ __align__(16) T Qt[D][BQ + 8];
-    __shared__ __align__(16) T Gs[BQ][D + 8];
-    __shared__ __align__(16) T Gt[D][BQ + 8];
-    __shared__ float Ls[BQ], Ds[BQ];
+    constexpr int BQ = TcShape<D>::dkdv_q, LD = D + 8;
+    __shared__ __align__(16) T Qs[2][BQ][LD];
+    __shared__ __align__(16) T Gs[2][BQ][LD];
+    __shared__ __align__(16) float Ls[2][BQ];
+    __shared__ __align__(16) float Ds[2][BQ];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const long long base = (long long)blockIdx.y * n_t * D, rbase = (long long)blockIdx.y * n_t;
     const int n0 = blockIdx.x * kTcRows;  // the first key blocks walk the most query tiles: launched first
     const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
     const float sl2 = scale * kLog2e;
+    const int q_begin = (n0 / BQ) * BQ;
+    const int n_tiles = (n_t - q_begin + BQ - 1) / BQ;
+    tile_async<T, BQ, D>(Qs[0], q + base, q_begin, n_t);
+    tile_async<T, BQ, D>(Gs[0], grad + base, q_begin, n_t);
+    vec_async<BQ>(Ls[0], lse + rbase, q_begin, n_t);
+    vec_async<BQ>(Ds[0], delta + rbase, q_begin, n_t);
+    cp_async_commit();
     u32 ka[D / 16][4], va[D / 16][4];
     frag_load_a<T, D>(ka, k + base, key0, n_t);
     frag_load_a<T, D>(va, v + base, key0, n_t);
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     zero_acc(dk_acc);
     zero_acc(dv_acc);
-    for (int q0 = (n0 / BQ) * BQ; q0 < n_t; q0 += BQ) {
-        __syncthreads();
-        tile_load<T, BQ, D>(Qs, q + base, q0, n_t);
-        tile_load_t<T, BQ, D>(Qt, q + base, q0, n_t);
-        tile_load<T, BQ, D>(Gs, grad + base, q0, n_t);
-        tile_load_t<T, BQ, D>(Gt, grad + base, q0, n_t);
-        for (int i = threadIdx.x; i < BQ; i += kAttnThreads) {
-            const bool ok = q0 + i < n_t;
-            Ls[i] = ok ? lse[rbase + q0 + i] * kLog2e : 0.0f;
-            Ds[i] = ok ? delta[rbase + q0 + i] : 0.0f;
+    for (int it = 0; it < n_tiles; ++it) {
+        const int q0 = q_begin + it * BQ, buf = it & 1;
+        cp_async_wait_all();
+        __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
+        if (it + 1 < n_tiles) {
+            tile_async<T, BQ, D>(Qs[buf ^ 1], q + base, q0 + BQ, n_t);
+            tile_async<T, BQ, D>(Gs[buf ^ 1], grad + base, q0 + BQ, n_t);
+            vec_async<BQ>(Ls[buf ^ 1], lse + rbase, q0 + BQ, n_t);
+            vec_async<BQ>(Ds[buf ^ 1], delta + rbase, q0 + BQ, n_t);
+            cp_async_commit();
         }
-        __syncthreads();
         if (q0 + BQ - 1 < key0) continue;  // every query of this tile is before every key of this warp
+        // Masks are needed only where some query precedes some key, or past n_t.
+        const bool edge = q0 < key0 + 15 || q0 + BQ > n_t;
         float p[BQ / 8][4];
         zero_acc(p);
-        mma_abt<T, BQ, D, D + 8>(p, ka, &Qs[0][0]);
+        mma_abt<T, BQ, D, LD>(p, ka, smem_addr(&Qs[buf][0][0]));
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j) {
+            const float2 lq = *reinterpret_cast<const float2*>(&Ls[buf][j * 8 + 2 * c]);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = j * 8 + 2 * c + (e & 1), query = q0 + col;
                 const int key = e < 2 ? key_lo : key_hi;
-                p[j][e] = (key <= query && query < n_t) ? exp2f(p[j][e] * sl2 - Ls[col]) : 0.0f;
+                const float x = exp2f(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
+                p[j][e] = (!edge || (key <= query && query < n_t)) ? x : 0.0f;
             }
         }
-        mma_cb<T, D, BQ, BQ + 8>(dv_acc, p, &Gt[0][0]);
+        mma_pb<T, D, BQ, LD>(dv_acc, p, smem_addr(&Gs[buf][0][0]));
         float ds[BQ / 8][4];
         zero_acc(ds);
-        mma_abt<T, BQ, D, D + 8>(ds, va, &Gs[0][0]);
+        mma_abt<T, BQ, D, LD>(ds, va, smem_addr(&Gs[buf][0][0]));
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ds[j][e] = p[j][e] * (ds[j][e] - Ds[j * 8 + 2 * c + (e & 1)]);
+            const float2 dq = *reinterpret_cast<const float2*>(&Ds[buf][j * 8 + 2 * c]);
+            ds[j][0] = p[j][0] * (ds[j][0] - dq.x);
+            ds[j][1] = p[j][1] * (ds[j][1] - dq.y);
+            ds[j][2] = p[j][2] * (ds[j][2] - dq.x);
+            ds[j][3] = p[j][3] * (ds[j][3] - dq.y);
         }
-        mma_cb<T, D, BQ, BQ + 8>(dk_acc, ds, &Qt[0][0]);
+        mma_pb<T, D, BQ, LD>(dk_acc, ds, smem_addr(&Qs[buf][0][0]));
     }
     frag_store<T, D>(dk + base, dk_acc, key0, n_t, scale, scale);
     frag_store<T, D>(dv + base, dv_acc, key0, n_t, 1.0f, 1.0f);
@@ -610,15 +669,19 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, float scale) {
-    constexpr int BN = TcShape<D>::dq_k;
-    __shared__ __align__(16) T Ks[BN][D + 8];
-    __shared__ __align__(16) T Kt[D][BN + 8];
-    __shared__ __align__(16) T Vs[BN][D + 8];
+    constexpr int BN = TcShape<D>::dq_k, LD = D + 8;
+    __shared__ __align__(16) T Ks[2][BN][LD];
+    __shared__ __align__(16) T Vs[2][BN][LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const long long base = (long long)blockIdx.y * n_t * D, rbase = (long long)blockIdx.y * n_t;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
+    const int q_last = min(m0 + kTcRows, n_t) - 1;
+    const int n_tiles = q_last / BN + 1;
+    tile_async<T, BN, D>(Ks[0], k + base, 0, n_t);
+    tile_async<T, BN, D>(Vs[0], v + base, 0, n_t);
+    cp_async_commit();
     u32 qa[D / 16][4], ga[D / 16][4];
     frag_load_a<T, D>(qa, q + base, row0, n_t);
     frag_load_a<T, D>(ga, grad + base, row0, n_t);
@@ -628,29 +691,33 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
     const float dl_hi = r_hi < n_t ? delta[rbase + r_hi] : 0.0f;
     float dq_acc[D / 8][4];
     zero_acc(dq_acc);
-    const int q_last = min(m0 + kTcRows, n_t) - 1;
-    for (int n0 = 0; n0 <= q_last; n0 += BN) {
-        __syncthreads();
-        tile_load<T, BN, D>(Ks, k + base, n0, n_t);
-        tile_load_t<T, BN, D>(Kt, k + base, n0, n_t);
-        tile_load<T, BN, D>(Vs, v + base, n0, n_t);
-        __syncthreads();
+    for (int it = 0; it < n_tiles; ++it) {
+        const int n0 = it * BN, buf = it & 1;
+        cp_async_wait_all();
+        __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
+        if (it + 1 < n_tiles) {
+            tile_async<T, BN, D>(Ks[buf ^ 1], k + base, n0 + BN, n_t);
+            tile_async<T, BN, D>(Vs[buf ^ 1], v + base, n0 + BN, n_t);
+            cp_async_commit();
+        }
         if (n0 > row0 + 15) continue;  // every key of this tile is after every row of this warp
+        const bool diag = n0 + BN - 1 > row0;  // keys past n_t only occur in such a tile
         float p[BN / 8][4];
         zero_acc(p);
-        mma_abt<T, BN, D, D + 8>(p, qa, &Ks[0][0]);
+        mma_abt<T, BN, D, LD>(p, qa, smem_addr(&Ks[buf][0][0]));
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + j * 8 + 2 * c + (e & 1);
                 const int row = e < 2 ? r_lo : r_hi;
-                p[j][e] = key <= row ? exp2f(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
+                const float x = exp2f(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
+                p[j][e] = (!diag || key <= row) ? x : 0.0f;
             }
         }
         float ds[BN / 8][4];
         zero_acc(ds);
-        mma_abt<T, BN, D, D + 8>(ds, ga, &Vs[0][0]);
+        mma_abt<T, BN, D, LD>(ds, ga, smem_addr(&Vs[buf][0][0]));
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
@@ -658,7 +725,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
             ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
             ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
         }
-        mma_cb<T, D, BN, BN + 8>(dq_acc, ds, &Kt[0][0]);
+        mma_pb<T, D, BN, LD>(dq_acc, ds, smem_addr(&Ks[buf][0][0]));
     }
     frag_store<T, D>(dq + base, dq_acc, row0, n_t, scale, scale);
 }
