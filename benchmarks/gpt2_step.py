@@ -74,6 +74,9 @@ def run_kiln(args, batches):
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
     stats = backend.memory_stats()
+    if args.kernel_profile:
+        xs, ys = kiln.tensor(batches[-1][0], device=dev), kiln.tensor(batches[-1][1], device=dev)
+        _profile_kernels(lambda: (graph(xs, ys) if graph is not None else step(xs, ys)).item(), args)
     return losses, times, stats["peak_allocated_bytes"], stats
 
 
@@ -90,20 +93,45 @@ def run_torch(args, batches, compiled: bool):
                             lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     fwd = torch.compile(torch_gpt_forward) if compiled else torch_gpt_forward
     plist = list(params.values())
-    losses, times = [], []
-    torch.cuda.reset_peak_memory_stats()
-    for x, y in batches:
-        t0 = time.perf_counter()
+
+    def step(xs, ys):
         opt.zero_grad(set_to_none=True)
-        xs, ys = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.mode == "bf16"):
             _, loss = fwd(params, cfg, xs, ys)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(plist, 1.0)
         opt.step()
-        losses.append(loss.item())
+        return loss.item()
+
+    losses, times = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for x, y in batches:
+        t0 = time.perf_counter()
+        losses.append(step(torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()))
         times.append(time.perf_counter() - t0)
-    return losses, times, torch.cuda.max_memory_allocated(), {}
+    peak = torch.cuda.max_memory_allocated()
+    if args.kernel_profile:
+        xs, ys = torch.from_numpy(batches[-1][0]).cuda(), torch.from_numpy(batches[-1][1]).cuda()
+        _profile_kernels(lambda: step(xs, ys), args)
+    return losses, times, peak, {}
+
+
+def _profile_kernels(one_step, args, steps: int = 3) -> None:
+    """The GPU kernels of `steps` more steps, by total time (CUPTI through torch.profiler, so it
+    also sees kiln's CuPy and cuBLASLt kernels, inside a CUDA graph too); a table per framework."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    one_step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+    out = Path(args.kernel_profile)
+    out.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
+    (out / f"kernels-{args.framework}-{args.mode}.txt").write_text(
+        f"{args.framework} {args.mode}: GPU kernels of {steps} steps (divide the totals by {steps})\n{table}\n")
 
 
 def worker(args) -> dict:
@@ -131,6 +159,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                     help="kiln runs every step op by op (default: replayed as one CUDA graph from step 2)")
+    ap.add_argument("--kernel-profile", metavar="DIR",
+                    help="after the timed steps, profile 3 more steps per framework: a table of GPU kernels in DIR")
     ap.add_argument("--framework", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -143,7 +173,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--framework", fw, "--mode", mode, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
                    "--seq-len", str(args.seq_len), "--n-layer", str(args.n_layer)] + \
-                  ([] if args.cuda_graph else ["--no-cuda-graph"])
+                  ([] if args.cuda_graph else ["--no-cuda-graph"]) + \
+                  (["--kernel-profile", args.kernel_profile] if args.kernel_profile else [])
             t0 = time.time()
             done = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
