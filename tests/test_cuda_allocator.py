@@ -160,3 +160,23 @@ def test_a_block_of_a_live_graph_freed_during_another_capture_stays_with_its_gra
         other = a.malloc(4096)    # the second graph must not get the first graph's block
     assert other != grad
     assert first.free[(0, 4096)] == [grad] and grad not in second.blocks
+
+
+def test_a_host_written_buffer_allocated_during_a_capture_is_no_recycled_temporary():
+    """The divergence of 2026-12-03: AdamW's lr/bias-correction buffer, allocated while recording,
+    got a block a temporary of the same capture had freed; every replay overwrote it with that
+    temporary before the update read it."""
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free, record=False)
+    pool = GraphPool()
+    with a.capture_into(pool):
+        temp = a.malloc(12)           # e.g. a 0-d scalar of the backward
+        a.free(temp)
+        recycled = a.malloc(12)       # graph memory: the replay writes `temp` here first
+        with a.host_written():
+            hyper = a.malloc(12)      # written by the host before each replay
+        after = a.malloc(12)
+    assert recycled == temp and hyper != temp and hyper not in pool.blocks
+    assert after in pool.blocks       # capturing resumes after the block
+    a.free(hyper)
+    assert hyper in a._free[(0, 512)]  # back to the eager cache, not the graph's pool

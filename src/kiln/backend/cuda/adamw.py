@@ -17,6 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kiln.backend.cpu import adamw as cpu
+from kiln.backend.cuda import allocator
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import f32, get_kernel, i32, i64
 from kiln.backend.cuda.launch import ctype
@@ -130,8 +131,13 @@ def adamw_hyper(lr, beta1, beta2, step) -> tuple:
 
 
 def adamw_hyper_buffer():
-    """A device buffer for adamw_hyper's three scalars, read by a captured adamw_step (hyper=...)."""
-    return rt.cupy().empty((3,), dtype=np.float32)  # not zeros: a fill here would be recorded into the graph
+    """A device buffer for adamw_hyper's three scalars, read by a captured adamw_step (hyper=...).
+
+    The host writes it before each replay, so it comes from the eager cache (allocator.host_written):
+    a block recycled inside the capture is also some temporary's, which the replay overwrites
+    before the update reads it (the graph-replay divergence of 2026-12-03)."""
+    with allocator.host_written():
+        return rt.cupy().empty((3,), dtype=np.float32)  # not zeros: a fill here would be recorded into the graph
 
 
 def adamw_set_hyper(buf, lr, beta1, beta2, step) -> None:

@@ -18,7 +18,10 @@ A captured CUDA graph replays into the addresses it was recorded with, long afte
 freed them. So while a graph is captured (`capture_into(pool)`) every block allocated or
 freed belongs to that GraphPool: a block freed during capture is reused only by later
 requests of the same capture, never by eager work, and the pool's blocks stay reserved
-until the graph is dropped (`release_pool`).
+until the graph is dropped (`release_pool`). A buffer the host writes between replays (a
+scalar the next replay reads) must not be one of those recycled blocks: the graph's own
+temporaries overwrite them during every replay. It is allocated under `host_written()`, from
+the eager cache, which the graph never touches.
 The bookkeeping is pure Python with injectable driver calls, so CPU tests can check it.
 """
 
@@ -249,6 +252,19 @@ class CachingAllocator:
                 if pool.blocks and pool not in self._pools:
                     self._pools.append(pool)
 
+    @contextlib.contextmanager
+    def host_written(self):
+        """Allocations in this block come from the eager cache even while a graph is captured: for
+        buffers written outside the graph and read by its replays (a block recycled within the
+        capture would be overwritten by the graph's temporaries before the replay reads it)."""
+        with self._lock:
+            saved, self._capturing = self._capturing, None
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._capturing = saved
+
     def release_pool(self, pool: GraphPool) -> None:
         """The graph is dropped: its free blocks join the eager cache; blocks still live follow on free."""
         with self._lock:
@@ -348,6 +364,11 @@ def memory_stats() -> dict:
 def end_warmup(release: bool = True) -> dict:
     """Call after step 0 (or the first few steps): learn the rounding and flush step 0's cache."""
     return _installed.end_warmup(release) if _installed is not None else {}
+
+
+def host_written():
+    """The installed allocator's `host_written()` context (a no-op without kiln's allocator)."""
+    return _installed.host_written() if _installed is not None else contextlib.nullcontext()
 
 
 def release_unused() -> int:
