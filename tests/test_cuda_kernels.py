@@ -275,6 +275,34 @@ def test_attention(gpu, rng, shape, dtype):
         close(gpu, got, ref, dtype, factor=10 if dtype == np.float32 else 2)
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 65, 64), (1, 2, 200, 128), (2, 4, 100, 32), (1, 2, 40, 48)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_attention_reads_and_writes_packed_views(gpu, rng, shape, dtype):
+    """q, k, v as views of one [B, T, 3, H, D] buffer (c_attn's output), dO as a view of [B, T, H, D]
+    and dq, dk, dv written into views of one packed gradient give, bit for bit, what contiguous
+    operands give (D = 48: the CPU fallback, copied into the views)."""
+    b, h, t, d = shape
+    xp = gpu.xp
+    scale = 1.0 / math.sqrt(d)
+    qkv = gpu.asarray(rand((b, t, 3, h, d), dtype, rng))
+    g = gpu.asarray(rand((b, t, h, d), dtype, rng)).transpose(0, 2, 1, 3)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    qc, kc, vc, gc = (xp.ascontiguousarray(a) for a in (q, k, v, g))
+    out, lse = gpu.attention_fwd(q, k, v, scale)
+    out_c, lse_c = gpu.attention_fwd(qc, kc, vc, scale)
+    assert np.array_equal(gpu.to_numpy(out), gpu.to_numpy(out_c)) and np.array_equal(gpu.to_numpy(lse), gpu.to_numpy(lse_c))
+    dqkv = xp.zeros((b, t, 3, h, d), dtype=qkv.dtype)
+    into = tuple(dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    got = gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into)
+    assert all(a is b_ for a, b_ in zip(got, into))
+    ref = gpu.attention_bwd(gc, qc, kc, vc, xp.ascontiguousarray(out_c), lse_c, scale)
+    for a, r in zip(into, ref):
+        assert np.array_equal(gpu.to_numpy(a), gpu.to_numpy(r))
+    cref = cpu.attention_bwd(*(f64(gpu.to_numpy(a)) for a in (gc, qc, kc, vc, out_c, lse_c)), scale)
+    for a, r in zip(into, cref):
+        close(gpu, a, r, dtype, factor=10 if dtype == np.float32 else 2)
+
+
 # --- AdamW, gradient norm, scaling --------------------------------------------------------
 
 ADAM_SIZES = [(1,), (3,), (70001,), (768, 3), (33, 65), (16384 + 5,)]
@@ -466,3 +494,29 @@ def test_scatter_add_repeated_indices(gpu, rng):
     ref = f64(dst)
     np.add.at(ref, idx, f64(src))
     close(gpu, d, ref, np.float32)
+
+
+# --- elementwise add and casts --------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 8, 1000, 4099, 3 * 2**20 + 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_add_and_cast_match_numpy(gpu, rng, n, dtype):
+    a, b = rand((n,), dtype, rng), rand((n,), dtype, rng)
+    got = gpu.to_numpy(gpu.add(gpu.asarray(a), gpu.asarray(b)))
+    assert np.array_equal(got, (a.astype(np.float32) + b.astype(np.float32)).astype(dtype))  # fp32 math, one rounding
+    da = gpu.asarray(a)
+    gpu.add(da, gpu.asarray(b), out=da)  # in place, as AccumulateGrad does
+    assert np.array_equal(gpu.to_numpy(da), got)
+    for to in DTYPES:
+        if np.dtype(to) != np.dtype(dtype):
+            ref = a.astype(np.float32).astype(to)  # round to nearest even, as astype does
+            assert np.array_equal(gpu.to_numpy(gpu.cast(gpu.asarray(a), to)), ref, equal_nan=True)
+
+
+def test_add_and_cast_of_unaligned_and_strided_views(gpu, rng):
+    a, b = rand((2, 1001), np.float32, rng), rand((2, 1001), np.float32, rng)
+    da, db = gpu.asarray(a), gpu.asarray(b)
+    assert np.array_equal(gpu.to_numpy(gpu.add(da[:, 1:], db[:, 1:])), a[:, 1:] + b[:, 1:])  # strided: CuPy
+    flat_a, flat_b = gpu.asarray(a.ravel()), gpu.asarray(b.ravel())
+    assert np.array_equal(gpu.to_numpy(gpu.add(flat_a[1:], flat_b[1:])), a.ravel()[1:] + b.ravel()[1:])  # scalar loop
+    assert np.array_equal(gpu.to_numpy(gpu.cast(flat_a[3:], BF16)), a.ravel()[3:].astype(BF16))

@@ -95,6 +95,25 @@ def test_attention_matches_pytorch_sdpa_and_finite_differences():
     gradcheck(F.scaled_dot_product_attention, *small)
 
 
+def test_causal_self_attention_on_packed_qkv_matches_pytorch_and_finite_differences():
+    b, t, h, d = 2, 7, 3, 4
+    qkv = randn(b, t, 3 * h * d)
+    tqkv = torch.tensor(qkv, requires_grad=True)
+    tq, tk, tv = (a.reshape(b, t, h, d).transpose(1, 2) for a in tqkv.split(h * d, dim=-1))
+    ref = TF.scaled_dot_product_attention(tq, tk, tv, is_causal=True).transpose(1, 2).reshape(b, t, h * d)
+    g = randn(*ref.shape)
+    ref.backward(torch.tensor(g))
+    kqkv = kiln.tensor(qkv, requires_grad=True)
+    out = F.causal_self_attention(kqkv, h)
+    out.backward(kiln.tensor(g))
+    assert out.shape == (b, t, h * d)
+    assert rel(out.numpy(), ref.detach().numpy()) < 1e-13
+    assert rel(kqkv.grad.numpy(), tqkv.grad.numpy()) < 1e-12
+    gradcheck(lambda x: F.causal_self_attention(x, 2), randn(1, 4, 3 * 2 * 3))
+    with pytest.raises(ShapeError, match="3 \\* n_head"):
+        F.causal_self_attention(kiln.randn(2, 4, 10), 2)
+
+
 def test_dropout_is_seeded_scaled_and_its_backward_is_the_mask():
     x = kiln.tensor(np.abs(randn(200, 50)) + 1.0, requires_grad=True)
     a = F.dropout(x, 0.3, generator=kiln.Generator(7))

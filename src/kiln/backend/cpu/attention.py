@@ -52,8 +52,9 @@ def attention_fwd(q, k, v, scale):
     return out.astype(q.dtype, copy=False), lse
 
 
-def attention_bwd(grad, q, k, v, out, lse, scale):
-    """(dq, dk, dv) from the saved inputs, output and log-sum-exp."""
+def attention_bwd(grad, q, k, v, out, lse, scale, into=None):
+    """(dq, dk, dv) from the saved inputs, output and log-sum-exp; copied into `into` = (dq, dk, dv)
+    when given (views of one packed gradient, as the CUDA kernels write them)."""
     g, qc, kc, vc = _c(grad), _c(q), _c(k), _c(v)
     s = _causal_scores(qc, kc, scale)
     s -= lse[..., None]
@@ -66,5 +67,9 @@ def attention_bwd(grad, q, k, v, out, lse, scale):
     dq *= scale  # the scale on the [T, D] products, not on the [T, T] dp
     dk = np.swapaxes(dp, -1, -2) @ qc
     dk *= scale
-    return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False),
-            dv.astype(v.dtype, copy=False))
+    grads = (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False), dv.astype(v.dtype, copy=False))
+    if into is None:
+        return grads
+    for dst, src in zip(into, grads):
+        dst[...] = src
+    return tuple(into)

@@ -4,14 +4,22 @@ q, k, v are [B, H, T, D] with D in ATTENTION_HEAD_DIMS (compile-time specialised
 dims and float64 run the CPU reference on a host copy. float32 runs on the CUDA cores (strict
 fp32); bfloat16 and float16 run the tensor-core kernels (`*_tc`: mma.sync, fp32 accumulation),
 64 query (or key) rows per block.
+
+The kernels take every operand as it lies in memory: a [B, H, T, D] view with any batch, head
+and row strides (unit stride along D), so q, k, v can be views of c_attn's packed [B, T, 3, H, D]
+output and dq, dk, dv views of its gradient (ops/attention.py), with no permute copies. The
+output is allocated [B, T, H, D] and returned as its [B, H, T, D] view: the [B, T, C] that
+c_proj reads is then a free reshape.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from kiln.backend.cpu import attention as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import ATTENTION_HEAD_DIMS, f32, get_kernel, i32, i64
-from kiln.backend.cuda.launch import cdiv, contiguous, cpu_fallback, ctype
+from kiln.backend.cuda.launch import cdiv, cpu_fallback, ctype
 from kiln.errors import ShapeError
 
 
@@ -37,46 +45,115 @@ def _check(q):
         raise ShapeError(f"attention on the GPU takes at most 65535 (batch x heads), got {b} x {h}")
 
 
+def _strides(a, tc: bool):
+    """(batch, head, row) strides of a [B, H, T, D] array in elements, or None when a kernel cannot
+    read it in place (D not unit-stride, negative strides, row offsets past 32 bits; for the tensor
+    cores, a row not 16-byte aligned)."""
+    item = a.dtype.itemsize
+    strides = [s if n > 1 else 0 for s, n in zip(a.strides, a.shape)]  # a length-1 axis has no stride
+    if any(s < 0 or s % item for s in strides) or strides[3] not in (0, item) or \
+            strides[2] // item >= 2**31 // max(a.shape[2], 1):
+        return None
+    sb, sh, st = (s // item for s in strides[:3])
+    if tc and (rt.ptr(a) % 16 or any((s * item) % 16 for s in (sb, sh, st))):
+        return None
+    return sb, sh, st
+
+
+def _layout(arrays, tc: bool):
+    """(arrays, strides) with one set of strides shared by all of them: the first array's when the
+    kernels read it in place (the others copied into its layout where theirs differ), else
+    contiguous copies of all."""
+    first = _strides(arrays[0], tc)
+    out = [arrays[0]]
+    for a in arrays[1:]:
+        if first is not None and _strides(a, tc) != first:
+            a = _copy_in_layout_of(arrays[0], a)
+        out.append(a)
+    if first is None or any(_strides(a, tc) != first for a in out):  # e.g. the first has gaps (a packed view)
+        cp = rt.cupy()
+        out = [cp.ascontiguousarray(a) for a in arrays]
+        first = _strides(out[0], tc)
+    return out, first
+
+
+def _copy_in_layout_of(like, src):
+    """A dense copy of src with its axes in memory in the order of `like`'s strides."""
+    order = sorted(range(like.ndim), key=lambda i: -like.strides[i])
+    dst = rt.cupy().empty(tuple(like.shape[i] for i in order), dtype=src.dtype).transpose(
+        [order.index(i) for i in range(like.ndim)])
+    dst[...] = src
+    return dst
+
+
+def _bthd(shape, dtype):
+    """An empty [B, H, T, D] array laid out [B, T, H, D] (the view that reshapes to [B, T, H*D] for free)."""
+    b, h, t, d = shape
+    return rt.cupy().empty((b, t, h, d), dtype=dtype).transpose(0, 2, 1, 3)
+
+
+def _args(*strides):
+    return tuple(i64(x) for s in strides for x in s)
+
+
 def attention_fwd(q, k, v, scale):
-    """(out [B, H, T, D] in q's dtype, lse [B, H, T] float32) for causal attention."""
+    """(out [B, H, T, D] in q's dtype, laid out [B, T, H, D]; lse [B, H, T] float32) for causal attention."""
     if not _usable(q):
         return cpu_fallback(cpu.attention_fwd, q, k, v, scale)
     _check(q)
     cp = rt.cupy()
     t = ctype(q.dtype)
-    q, k, v = (contiguous(a.astype(q.dtype, copy=False)) for a in (q, k, v))
+    tc = _tensor_cores(t)
+    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)], tc)
     b, h, n_t, d = q.shape
-    out = cp.empty_like(q)
+    out = _bthd(q.shape, q.dtype)
     lse = cp.empty((b, h, n_t), dtype=cp.float32)
-    if _tensor_cores(t):
-        name, bq = f"attention_fwd_tc<{t}, {d}>", TC_ROWS
-    else:
-        name, bq = f"attention_fwd<{t}, {d}>", block_rows(d)[0]
-    get_kernel("attention.cu", name)((cdiv(n_t, bq), b * h), (128,), (q, k, v, out, lse, i32(n_t), f32(scale)))
+    name, bq = (f"attention_fwd_tc<{t}, {d}>", TC_ROWS) if tc else (f"attention_fwd<{t}, {d}>", block_rows(d)[0])
+    get_kernel("attention.cu", name)((cdiv(n_t, bq), b * h), (128,),
+                                     (q, k, v, out, lse, i32(n_t), i32(h), f32(scale), *_args(qs, _strides(out, tc))))
     return out, lse
 
 
-def attention_bwd(grad, q, k, v, out, lse, scale):
-    """(dq, dk, dv) recomputed from q, k, v, out and lse."""
+def attention_bwd(grad, q, k, v, out, lse, scale, into=None):
+    """(dq, dk, dv) recomputed from q, k, v, out and lse; written into `into` = (dq, dk, dv) when given
+    (views of one packed gradient, say), else into new [B, H, T, D] arrays laid out [B, T, H, D]."""
     if not _usable(q):
-        return cpu_fallback(cpu.attention_bwd, grad, q, k, v, out, lse, scale)
+        grads = cpu_fallback(cpu.attention_bwd, grad, q, k, v, out, lse, scale)
+        return _fill(into, grads)
     _check(q)
     cp = rt.cupy()
     t = ctype(q.dtype)
-    q, k, v, out, grad = (contiguous(a.astype(q.dtype, copy=False)) for a in (q, k, v, out, grad))
-    lse = contiguous(lse.astype(cp.float32, copy=False))
+    tc = _tensor_cores(t)
+    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)], tc)
+    (out, grad), os_ = _layout([a.astype(q.dtype, copy=False) for a in (out, grad)], tc)
+    lse = cp.ascontiguousarray(lse.astype(cp.float32, copy=False))
     b, h, n_t, d = q.shape
-    rows = b * h * n_t
+    dests = into
+    gs = None if into is None or any(a.dtype != q.dtype for a in into) else _strides(into[0], tc)
+    if gs is None or any(_strides(a, tc) != gs for a in into):  # kernels write fresh arrays (copied into `into`)
+        dests = [_bthd(q.shape, q.dtype) for _ in range(3)]
+        gs = _strides(dests[0], tc)
+    dq, dk, dv = dests
     delta = cp.empty((b, h, n_t), dtype=cp.float32)
-    get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")((cdiv(rows, 8),), (256,),
-                                                                (grad, out, delta, i64(rows)))
-    dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
-    if _tensor_cores(t):
+    get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
+        (cdiv(b * h * n_t, 8),), (256,), (grad, out, delta, i64(b * h * n_t), i32(n_t), i32(h), *_args(os_)))
+    if tc:
         suffix, bk, bq = "_tc", TC_ROWS, TC_ROWS
     else:
         (_, bk, bq), suffix = block_rows(d), ""
+    strides = _args(qs, os_, gs)
     get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
-        (cdiv(n_t, bk), b * h), (128,), (q, k, v, grad, lse, delta, dk, dv, i32(n_t), f32(scale)))
+        (cdiv(n_t, bk), b * h), (128,), (q, k, v, grad, lse, delta, dk, dv, i32(n_t), i32(h), f32(scale), *strides))
     get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
-        (cdiv(n_t, bq), b * h), (128,), (q, k, v, grad, lse, delta, dq, i32(n_t), f32(scale)))
-    return dq, dk, dv
+        (cdiv(n_t, bq), b * h), (128,), (q, k, v, grad, lse, delta, dq, i32(n_t), i32(h), f32(scale), *strides))
+    return _fill(into, (dq, dk, dv))
+
+
+def _fill(into, grads):
+    """grads, copied into `into` when it was given and they are not already those arrays."""
+    if into is None:
+        return tuple(grads)
+    for dst, src in zip(into, grads):
+        if dst is not src:
+            dst[...] = src
+    return tuple(into)

@@ -1,5 +1,8 @@
-// Causal scaled-dot-product attention, fused, fp32 accumulation, q/k/v/out [B, H, T, D]
-// contiguous, lse [B, H, T] fp32 (of the scaled scores), templated on the head dim D.
+// Causal scaled-dot-product attention, fused, fp32 accumulation, templated on the head dim D.
+// q/k/v/out/grad/dq/dk/dv are [B, H, T, D] with unit stride along D and any batch, head and row
+// strides, passed per operand group (Layout): q, k, v and the packed gradients can be views of
+// one [B, T, 3, H, D] buffer and out/grad views of [B, T, H, D], with no permute copies.
+// lse and delta are [B, H, T] fp32 contiguous (lse of the scaled scores).
 //
 // Forward (flash-attention's online softmax, Dao et al. 2022): a block owns BQ query rows of
 // one (b, h), each warp BQ/4 of them; key/value tiles of 32 rows go through shared memory,
@@ -18,6 +21,12 @@ using namespace kiln;
 constexpr int kAttnThreads = 128;  // 4 warps
 constexpr int kAttnWarps = kAttnThreads / 32;
 
+// Element (b, h, t, d) of an operand lies at b * sb + h * sh + t * st + d.
+#define KILN_LAYOUT(p) long long p##_sb, long long p##_sh, long long p##_st
+__device__ __forceinline__ long long head_offset(int bh, int n_h, long long sb, long long sh) {
+    return (long long)(bh / n_h) * sb + (long long)(bh % n_h) * sh;
+}
+
 template <int D> struct AttnShape {
     // Rows per block, chosen so that every kernel's static shared memory stays under 48 KiB.
     static constexpr int fwd_q = D >= 128 ? 16 : 32;
@@ -28,7 +37,8 @@ template <int D> struct AttnShape {
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_fwd(const T* __restrict__ q, const T* __restrict__ k,
                                                               const T* __restrict__ v, T* __restrict__ out,
-                                                              float* __restrict__ lse, int n_t, float scale) {
+                                                              float* __restrict__ lse, int n_t, int n_h, float scale,
+                                                              KILN_LAYOUT(in), KILN_LAYOUT(o)) {
     constexpr int BQ = AttnShape<D>::fwd_q;
     constexpr int RPW = BQ / kAttnWarps;
     constexpr int DL = D / 32;
@@ -36,11 +46,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_fwd(const T* __restric
     __shared__ float Ks[32][D + 1];
     __shared__ float Vs[32][D];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long base = (long long)blockIdx.y * n_t * D;
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), obase = head_offset(blockIdx.y, n_h, o_sb, o_sh);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     for (int i = threadIdx.x; i < BQ * D; i += kAttnThreads) {
         const int r = i / D, d = i % D, row = q0 + r;
-        Qs[r][d] = row < n_t ? to_float(q[base + (long long)row * D + d]) * scale : 0.0f;
+        Qs[r][d] = row < n_t ? to_float(q[base + row * in_st + d]) * scale : 0.0f;
     }
     float m[RPW], l[RPW], acc[RPW][DL];
 #pragma unroll
@@ -58,8 +68,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_fwd(const T* __restric
         for (int i = threadIdx.x; i < 32 * D; i += kAttnThreads) {
             const int j = i / D, d = i % D, key = k0 + j;
             const bool ok = key < n_t;
-            Ks[j][d] = ok ? to_float(k[base + (long long)key * D + d]) : 0.0f;
-            Vs[j][d] = ok ? to_float(v[base + (long long)key * D + d]) : 0.0f;
+            Ks[j][d] = ok ? to_float(k[base + key * in_st + d]) : 0.0f;
+            Vs[j][d] = ok ? to_float(v[base + key * in_st + d]) : 0.0f;
         }
         __syncthreads();
         float s[RPW];
@@ -98,7 +108,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_fwd(const T* __restric
             const float inv = 1.0f / l[r];
 #pragma unroll
             for (int c = 0; c < DL; ++c)
-                out[base + (long long)row * D + lane + 32 * c] = from_float<T>(acc[r][c] * inv);
+                out[obase + row * o_st + lane + 32 * c] = from_float<T>(acc[r][c] * inv);
             if (lane == 0) lse[(long long)blockIdx.y * n_t + row] = m[r] + logf(l[r]);
         }
     }
@@ -107,14 +117,16 @@ __global__ void __launch_bounds__(kAttnThreads) attention_fwd(const T* __restric
 // delta[row] = sum_d grad[row, d] * out[row, d] over all B*H*T rows, one warp per row.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_delta(const T* __restrict__ grad, const T* __restrict__ out,
-                                                           float* __restrict__ delta, long long rows) {
+                                                           float* __restrict__ delta, long long rows, int n_t,
+                                                           int n_h, KILN_LAYOUT(o)) {
     const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
+    const long long base = head_offset((int)(row / n_t), n_h, o_sb, o_sh) + (row % n_t) * o_st;
     float s = 0.0f;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
-        const long long e = row * D + lane + 32 * c;
+        const long long e = base + lane + 32 * c;
         s += to_float(grad[e]) * to_float(out[e]);
     }
     s = warp_sum(s);
@@ -125,7 +137,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-    int n_t, float scale) {
+    int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
     constexpr int BK = AttnShape<D>::bwd_k;
     constexpr int KPW = BK / kAttnWarps;
     constexpr int DL = D / 32;
@@ -136,14 +148,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv(
     __shared__ float Ls[32];
     __shared__ float Ds[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long base = (long long)blockIdx.y * n_t * D;
-    const long long rbase = (long long)blockIdx.y * n_t;
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), obase = head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    const long long gbase = head_offset(blockIdx.y, n_h, g_sb, g_sh), rbase = (long long)blockIdx.y * n_t;
     const int k0 = blockIdx.x * BK;  // the first keys see the most queries: they launch first
     for (int i = threadIdx.x; i < BK * D; i += kAttnThreads) {
         const int r = i / D, d = i % D, key = k0 + r;
         const bool ok = key < n_t;
-        Kb[r][d] = ok ? to_float(k[base + (long long)key * D + d]) : 0.0f;
-        Vb[r][d] = ok ? to_float(v[base + (long long)key * D + d]) : 0.0f;
+        Kb[r][d] = ok ? to_float(k[base + key * in_st + d]) : 0.0f;
+        Vb[r][d] = ok ? to_float(v[base + key * in_st + d]) : 0.0f;
     }
     float adk[KPW][DL], adv[KPW][DL];
 #pragma unroll
@@ -157,8 +169,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv(
         for (int i = threadIdx.x; i < 32 * D; i += kAttnThreads) {
             const int j = i / D, d = i % D, row = i0 + j;
             const bool ok = row < n_t;
-            Qs[j][d] = ok ? to_float(q[base + (long long)row * D + d]) : 0.0f;
-            Gs[j][d] = ok ? to_float(grad[base + (long long)row * D + d]) : 0.0f;
+            Qs[j][d] = ok ? to_float(q[base + row * in_st + d]) : 0.0f;
+            Gs[j][d] = ok ? to_float(grad[obase + row * o_st + d]) : 0.0f;
         }
         if (threadIdx.x < 32) {
             const int row = i0 + threadIdx.x;
@@ -203,7 +215,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv(
         if (key < n_t) {
 #pragma unroll
             for (int c = 0; c < DL; ++c) {
-                const long long e = base + (long long)key * D + lane + 32 * c;
+                const long long e = gbase + key * g_st + lane + 32 * c;
                 dk[e] = from_float<T>(adk[kk][c] * scale);
                 dv[e] = from_float<T>(adv[kk][c]);
             }
@@ -214,7 +226,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv(
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
-    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, float scale) {
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, int n_h, float scale,
+    KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
     constexpr int BQ = AttnShape<D>::bwd_q;
     constexpr int RPW = BQ / kAttnWarps;
     constexpr int DL = D / 32;
@@ -223,14 +236,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
     __shared__ float Ks[32][D + 1];
     __shared__ float Vs[32][D + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long base = (long long)blockIdx.y * n_t * D;
-    const long long rbase = (long long)blockIdx.y * n_t;
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), obase = head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    const long long gbase = head_offset(blockIdx.y, n_h, g_sb, g_sh), rbase = (long long)blockIdx.y * n_t;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     for (int i = threadIdx.x; i < BQ * D; i += kAttnThreads) {
         const int r = i / D, d = i % D, row = q0 + r;
         const bool ok = row < n_t;
-        Qb[r][d] = ok ? to_float(q[base + (long long)row * D + d]) : 0.0f;
-        Gb[r][d] = ok ? to_float(grad[base + (long long)row * D + d]) : 0.0f;
+        Qb[r][d] = ok ? to_float(q[base + row * in_st + d]) : 0.0f;
+        Gb[r][d] = ok ? to_float(grad[obase + row * o_st + d]) : 0.0f;
     }
     float lr[RPW], dr[RPW], acc[RPW][DL];
 #pragma unroll
@@ -249,8 +262,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
         for (int i = threadIdx.x; i < 32 * D; i += kAttnThreads) {
             const int j = i / D, d = i % D, key = k0 + j;
             const bool ok = key < n_t;
-            Ks[j][d] = ok ? to_float(k[base + (long long)key * D + d]) : 0.0f;
-            Vs[j][d] = ok ? to_float(v[base + (long long)key * D + d]) : 0.0f;
+            Ks[j][d] = ok ? to_float(k[base + key * in_st + d]) : 0.0f;
+            Vs[j][d] = ok ? to_float(v[base + key * in_st + d]) : 0.0f;
         }
         __syncthreads();
         float s[RPW], dp[RPW];
@@ -286,7 +299,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
         if (row < n_t) {
 #pragma unroll
             for (int c = 0; c < DL; ++c)
-                dq[base + (long long)row * D + lane + 32 * c] = from_float<T>(acc[r][c] * scale);
+                dq[gbase + row * g_st + lane + 32 * c] = from_float<T>(acc[r][c] * scale);
         }
     }
 }
@@ -374,17 +387,35 @@ __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 
-// Starts copying rows [r0, r0 + R) of a row-major [n_t, D] matrix into dst [R][D + 8] (zeros
-// past n_t); the caller commits the group.
+// Starts copying rows [r0, r0 + R) of a [n_t, D] matrix with row stride ld into dst [R][D + 8]
+// (zeros past n_t); the caller commits the group.
 template <typename T, int R, int D>
-__device__ __forceinline__ void tile_async(T (*dst)[D + 8], const T* __restrict__ src, int r0, int n_t) {
-    constexpr int CH = D / 8;  // 16-byte chunks per row
+__device__ __forceinline__ void tile_async(T (*dst)[D + 8], const T* __restrict__ src, int ld, int r0, int n_t) {
+    constexpr int CH = D / 8;              // 16-byte chunks per row
+    constexpr int RS = kAttnThreads / CH;  // rows per pass of the block
+    static_assert(kAttnThreads % CH == 0 && R % RS == 0, "tile chunks must divide among the threads");
+    const int r = threadIdx.x / CH, col = (threadIdx.x % CH) * 8;
+    const T* p = src + ((r0 + r) * ld + col);
+#pragma unroll
+    for (int it = 0; it < R / RS; ++it) {
+        const bool ok = r0 + r + it * RS < n_t;
+        cp_async16(smem_addr(&dst[r + it * RS][col]), ok ? p + it * RS * ld : src, ok);
+    }
+}
+
+// The same for two matrices of one layout (K and V): the offsets are computed once for both.
+template <typename T, int R, int D>
+__device__ __forceinline__ void tile2_async(T (*dst_a)[D + 8], const T* __restrict__ a, T (*dst_b)[D + 8],
+                                            const T* __restrict__ b, int ld, int r0, int n_t) {
+    constexpr int CH = D / 8;
     static_assert((R * CH) % kAttnThreads == 0, "tile chunks must divide among the threads");
 #pragma unroll
     for (int it = 0; it < R * CH / kAttnThreads; ++it) {
         const int i = it * kAttnThreads + threadIdx.x, r = i / CH, col = (i % CH) * 8;
         const bool ok = r0 + r < n_t;
-        cp_async16(smem_addr(&dst[r][col]), src + (long long)(ok ? r0 + r : 0) * D + col, ok);
+        const int off = (ok ? r0 + r : 0) * ld + col;
+        cp_async16(smem_addr(&dst_a[r][col]), a + off, ok);
+        cp_async16(smem_addr(&dst_b[r][col]), b + off, ok);
     }
 }
 
@@ -397,18 +428,20 @@ __device__ __forceinline__ void vec_async(float* dst, const float* __restrict__ 
     }
 }
 
-// The A fragments of 16 rows [row0, row0 + 16) x D straight from global memory (zeros past n_t).
+// The A fragments of 16 rows [row0, row0 + 16) x D (row stride ld) straight from global memory
+// (zeros past n_t).
 template <typename T, int D>
-__device__ __forceinline__ void frag_load_a(u32 (&a)[D / 16][4], const T* __restrict__ src, int row0, int n_t) {
+__device__ __forceinline__ void frag_load_a(u32 (&a)[D / 16][4], const T* __restrict__ src, int ld, int row0,
+                                            int n_t) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int r_lo = row0 + g, r_hi = row0 + g + 8;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const int col = kk * 16 + 2 * c;
-        a[kk][0] = r_lo < n_t ? ld32(src + (long long)r_lo * D + col) : 0u;
-        a[kk][1] = r_hi < n_t ? ld32(src + (long long)r_hi * D + col) : 0u;
-        a[kk][2] = r_lo < n_t ? ld32(src + (long long)r_lo * D + col + 8) : 0u;
-        a[kk][3] = r_hi < n_t ? ld32(src + (long long)r_hi * D + col + 8) : 0u;
+        a[kk][0] = r_lo < n_t ? ld32(src + (r_lo * ld + col)) : 0u;
+        a[kk][1] = r_hi < n_t ? ld32(src + (r_hi * ld + col)) : 0u;
+        a[kk][2] = r_lo < n_t ? ld32(src + (r_lo * ld + col + 8)) : 0u;
+        a[kk][3] = r_hi < n_t ? ld32(src + (r_hi * ld + col + 8)) : 0u;
     }
 }
 
@@ -462,9 +495,11 @@ template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
     for (int j = 0; j < N; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 }
 
-// Rows [row0, row0 + 16) of acc (C fragments, [16, D]) times `mul`, stored as T where row < n_t.
+// Rows [row0, row0 + 16) of acc (C fragments, [16, D]) times `mul`, stored as T (row stride ld)
+// where row < n_t.
 template <typename T, int D>
-__device__ __forceinline__ void frag_store(T* __restrict__ dst, const float (&acc)[D / 8][4], int row0, int n_t,
+__device__ __forceinline__ void frag_store(T* __restrict__ dst, int ld, const float (&acc)[D / 8][4], int row0,
+                                           int n_t,
                                            float mul_lo, float mul_hi) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int r_lo = row0 + g, r_hi = row0 + g + 8;
@@ -472,10 +507,10 @@ __device__ __forceinline__ void frag_store(T* __restrict__ dst, const float (&ac
     for (int j = 0; j < D / 8; ++j) {
         const int col = j * 8 + 2 * c;
         if (r_lo < n_t)
-            *reinterpret_cast<u32*>(dst + (long long)r_lo * D + col) =
+            *reinterpret_cast<u32*>(dst + (r_lo * ld + col)) =
                 pack2<T>(acc[j][0] * mul_lo, acc[j][1] * mul_lo);
         if (r_hi < n_t)
-            *reinterpret_cast<u32*>(dst + (long long)r_hi * D + col) =
+            *reinterpret_cast<u32*>(dst + (r_hi * ld + col)) =
                 pack2<T>(acc[j][2] * mul_hi, acc[j][3] * mul_hi);
     }
 }
@@ -489,30 +524,31 @@ template <int D> struct TcShape {
     static constexpr int fwd_k = D >= 128 ? 32 : 64;
     static constexpr int dkdv_q = D >= 128 ? 16 : 64;
     static constexpr int dq_k = D >= 128 ? 32 : 64;
-    // Resident blocks per SM the forward asks ptxas for: at D = 64, 4 (128 registers, no spills)
-    // rather than the 3 that 141 registers would allow.
-    static constexpr int fwd_blocks = D == 64 ? 4 : 1;
+    // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers). 4
+    // (128 registers) fitted the contiguous-only kernel but spills one register with strides.
+    static constexpr int fwd_blocks = D == 64 ? 3 : 1;
 };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-                     float* __restrict__ lse, int n_t, float scale) {
+                     float* __restrict__ lse, int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o)) {
     constexpr int BN = TcShape<D>::fwd_k, LD = D + 8;
     __shared__ __align__(16) T Ks[2][BN][LD];
     __shared__ __align__(16) T Vs[2][BN][LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const long long base = (long long)blockIdx.y * n_t * D;
+    // k + base, v + base each time (not offset pointers kept live): at D = 64 every register counts
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh);
+    const int ld_in = (int)in_st;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;  // the longest rows first
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
     const int q_last = min(m0 + kTcRows, n_t) - 1;
     const int n_tiles = q_last / BN + 1;
-    tile_async<T, BN, D>(Ks[0], k + base, 0, n_t);
-    tile_async<T, BN, D>(Vs[0], v + base, 0, n_t);
+    tile2_async<T, BN, D>(Ks[0], k + base, Vs[0], v + base, ld_in, 0, n_t);
     cp_async_commit();
     u32 qa[D / 16][4];
-    frag_load_a<T, D>(qa, q + base, row0, n_t);
+    frag_load_a<T, D>(qa, q + base, ld_in, row0, n_t);
     float o[D / 8][4];
     zero_acc(o);
     float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
@@ -521,8 +557,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
         cp_async_wait_all();
         __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
         if (it + 1 < n_tiles) {
-            tile_async<T, BN, D>(Ks[buf ^ 1], k + base, n0 + BN, n_t);
-            tile_async<T, BN, D>(Vs[buf ^ 1], v + base, n0 + BN, n_t);
+            tile2_async<T, BN, D>(Ks[buf ^ 1], k + base, Vs[buf ^ 1], v + base, ld_in, n0 + BN, n_t);
             cp_async_commit();
         }
         if (n0 > row0 + 15) continue;  // every key of this tile is after every row of this warp
@@ -579,7 +614,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
     }
-    frag_store<T, D>(out + base, o, row0, n_t, 1.0f / l_lo, 1.0f / l_hi);
+    frag_store<T, D>(out + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, o, row0, n_t, 1.0f / l_lo, 1.0f / l_hi);
     if (c == 0) {
         const long long lb = (long long)blockIdx.y * n_t;
         if (r_lo < n_t) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
@@ -593,27 +628,36 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-    int n_t, float scale) {
+    int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
     constexpr int BQ = TcShape<D>::dkdv_q, LD = D + 8;
     __shared__ __align__(16) T Qs[2][BQ][LD];
     __shared__ __align__(16) T Gs[2][BQ][LD];
     __shared__ __align__(16) float Ls[2][BQ];
     __shared__ __align__(16) float Ds[2][BQ];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const long long base = (long long)blockIdx.y * n_t * D, rbase = (long long)blockIdx.y * n_t;
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), gbase = head_offset(blockIdx.y, n_h, g_sb, g_sh);
+    q += base;
+    k += base;
+    v += base;
+    grad += head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    dk += gbase;
+    dv += gbase;
+    lse += (long long)blockIdx.y * n_t;
+    delta += (long long)blockIdx.y * n_t;
+    const int ld_in = (int)in_st, ld_o = (int)o_st, ld_g = (int)g_st;
     const int n0 = blockIdx.x * kTcRows;  // the first key blocks walk the most query tiles: launched first
     const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
     const float sl2 = scale * kLog2e;
     const int q_begin = (n0 / BQ) * BQ;
     const int n_tiles = (n_t - q_begin + BQ - 1) / BQ;
-    tile_async<T, BQ, D>(Qs[0], q + base, q_begin, n_t);
-    tile_async<T, BQ, D>(Gs[0], grad + base, q_begin, n_t);
-    vec_async<BQ>(Ls[0], lse + rbase, q_begin, n_t);
-    vec_async<BQ>(Ds[0], delta + rbase, q_begin, n_t);
+    tile_async<T, BQ, D>(Qs[0], q, ld_in, q_begin, n_t);
+    tile_async<T, BQ, D>(Gs[0], grad, ld_o, q_begin, n_t);
+    vec_async<BQ>(Ls[0], lse, q_begin, n_t);
+    vec_async<BQ>(Ds[0], delta, q_begin, n_t);
     cp_async_commit();
     u32 ka[D / 16][4], va[D / 16][4];
-    frag_load_a<T, D>(ka, k + base, key0, n_t);
-    frag_load_a<T, D>(va, v + base, key0, n_t);
+    frag_load_a<T, D>(ka, k, ld_in, key0, n_t);
+    frag_load_a<T, D>(va, v, ld_in, key0, n_t);
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     zero_acc(dk_acc);
     zero_acc(dv_acc);
@@ -622,10 +666,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
         cp_async_wait_all();
         __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
         if (it + 1 < n_tiles) {
-            tile_async<T, BQ, D>(Qs[buf ^ 1], q + base, q0 + BQ, n_t);
-            tile_async<T, BQ, D>(Gs[buf ^ 1], grad + base, q0 + BQ, n_t);
-            vec_async<BQ>(Ls[buf ^ 1], lse + rbase, q0 + BQ, n_t);
-            vec_async<BQ>(Ds[buf ^ 1], delta + rbase, q0 + BQ, n_t);
+            tile_async<T, BQ, D>(Qs[buf ^ 1], q, ld_in, q0 + BQ, n_t);
+            tile_async<T, BQ, D>(Gs[buf ^ 1], grad, ld_o, q0 + BQ, n_t);
+            vec_async<BQ>(Ls[buf ^ 1], lse, q0 + BQ, n_t);
+            vec_async<BQ>(Ds[buf ^ 1], delta, q0 + BQ, n_t);
             cp_async_commit();
         }
         if (q0 + BQ - 1 < key0) continue;  // every query of this tile is before every key of this warp
@@ -659,8 +703,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
         }
         mma_pb<T, D, BQ, LD>(dk_acc, ds, smem_addr(&Qs[buf][0][0]));
     }
-    frag_store<T, D>(dk + base, dk_acc, key0, n_t, scale, scale);
-    frag_store<T, D>(dv + base, dv_acc, key0, n_t, 1.0f, 1.0f);
+    frag_store<T, D>(dk, ld_g, dk_acc, key0, n_t, scale, scale);
+    frag_store<T, D>(dv, ld_g, dv_acc, key0, n_t, 1.0f, 1.0f);
 }
 
 // dQ for one block of 64 queries (each warp 16), walking the key tiles up to it:
@@ -668,27 +712,35 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
-    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, float scale) {
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, int n_h,
+    float scale, KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
     constexpr int BN = TcShape<D>::dq_k, LD = D + 8;
     __shared__ __align__(16) T Ks[2][BN][LD];
     __shared__ __align__(16) T Vs[2][BN][LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const long long base = (long long)blockIdx.y * n_t * D, rbase = (long long)blockIdx.y * n_t;
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh);
+    q += base;
+    k += base;
+    v += base;
+    grad += head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    dq += head_offset(blockIdx.y, n_h, g_sb, g_sh);
+    lse += (long long)blockIdx.y * n_t;
+    delta += (long long)blockIdx.y * n_t;
+    const int ld_in = (int)in_st, ld_o = (int)o_st, ld_g = (int)g_st;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
     const int q_last = min(m0 + kTcRows, n_t) - 1;
     const int n_tiles = q_last / BN + 1;
-    tile_async<T, BN, D>(Ks[0], k + base, 0, n_t);
-    tile_async<T, BN, D>(Vs[0], v + base, 0, n_t);
+    tile2_async<T, BN, D>(Ks[0], k, Vs[0], v, ld_in, 0, n_t);
     cp_async_commit();
     u32 qa[D / 16][4], ga[D / 16][4];
-    frag_load_a<T, D>(qa, q + base, row0, n_t);
-    frag_load_a<T, D>(ga, grad + base, row0, n_t);
-    const float lse_lo = r_lo < n_t ? lse[rbase + r_lo] * kLog2e : 0.0f;
-    const float lse_hi = r_hi < n_t ? lse[rbase + r_hi] * kLog2e : 0.0f;
-    const float dl_lo = r_lo < n_t ? delta[rbase + r_lo] : 0.0f;
-    const float dl_hi = r_hi < n_t ? delta[rbase + r_hi] : 0.0f;
+    frag_load_a<T, D>(qa, q, ld_in, row0, n_t);
+    frag_load_a<T, D>(ga, grad, ld_o, row0, n_t);
+    const float lse_lo = r_lo < n_t ? lse[r_lo] * kLog2e : 0.0f;
+    const float lse_hi = r_hi < n_t ? lse[r_hi] * kLog2e : 0.0f;
+    const float dl_lo = r_lo < n_t ? delta[r_lo] : 0.0f;
+    const float dl_hi = r_hi < n_t ? delta[r_hi] : 0.0f;
     float dq_acc[D / 8][4];
     zero_acc(dq_acc);
     for (int it = 0; it < n_tiles; ++it) {
@@ -696,8 +748,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
         cp_async_wait_all();
         __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
         if (it + 1 < n_tiles) {
-            tile_async<T, BN, D>(Ks[buf ^ 1], k + base, n0 + BN, n_t);
-            tile_async<T, BN, D>(Vs[buf ^ 1], v + base, n0 + BN, n_t);
+            tile2_async<T, BN, D>(Ks[buf ^ 1], k, Vs[buf ^ 1], v, ld_in, n0 + BN, n_t);
             cp_async_commit();
         }
         if (n0 > row0 + 15) continue;  // every key of this tile is after every row of this warp
@@ -727,5 +778,5 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
         }
         mma_pb<T, D, BN, LD>(dq_acc, ds, smem_addr(&Ks[buf][0][0]));
     }
-    frag_store<T, D>(dq + base, dq_acc, row0, n_t, scale, scale);
+    frag_store<T, D>(dq, ld_g, dq_acc, row0, n_t, scale, scale);
 }
