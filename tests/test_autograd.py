@@ -104,3 +104,19 @@ def test_backward_needs_a_gradient_for_non_scalars():
     x = kiln.randn(3, requires_grad=True)
     with pytest.raises(AutogradError, match="non-scalar"):
         (x * 2).backward()
+
+
+def test_leaves_never_share_a_gradient_array():
+    """Add's backward hands the same array to both inputs; AccumulateGrad copies what it does not own
+    (a Linear's or a cast's fresh gradient it keeps as it is), so one leaf's .grad never aliases
+    another's, and a second backward accumulates into each separately."""
+    a, b = (kiln.tensor(np.ones(3, dtype=np.float32), requires_grad=True) for _ in range(2))
+    w = kiln.tensor(np.ones((2, 3)), requires_grad=True)
+    x = kiln.tensor(np.ones((4, 3), dtype=np.float32))
+    for _ in range(2):
+        loss = (a + b).sum() + (F.linear(x, w.to(kiln.float32)) * 2).sum()
+        loss.backward()
+    assert not np.shares_memory(a.grad.numpy(), b.grad.numpy())
+    a.grad.data[...] = 0
+    assert np.array_equal(b.grad.numpy(), [2.0, 2.0, 2.0])
+    assert np.array_equal(w.grad.numpy(), np.full((2, 3), 16.0))

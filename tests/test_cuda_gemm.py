@@ -111,6 +111,20 @@ def test_gemm_gelu_aux_bias_epilogue(gpu):
     assert rel(gpu.to_numpy(c), cpu.gelu_fwd(pre)) <= 1e-3  # cuBLASLt's GELU approximation
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_gelu_fwd_matches_the_cpu_backend(gpu, dtype):
+    """bf16: the GELU_AUX_BIAS epilogue (gelu and the pre-activation from one GEMM); fp32: GEMM + kiln's GELU."""
+    import ml_dtypes
+    dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng()
+    x, w, b = (rng.standard_normal(s).astype(dt) for s in ((96, 64), (256, 64), (256,)))
+    h, pre = gpu.linear_gelu_fwd(gpu.asarray(x), gpu.asarray(w), gpu.asarray(b))
+    rh, rpre = cpu.linear_gelu_fwd(*(a.astype(np.float64) for a in (x, w, b)))
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    assert rel(gpu.to_numpy(pre), rpre) <= tol
+    assert rel(gpu.to_numpy(h), rh) <= tol
+
+
 def test_plans_are_cached(gpu):
     from kiln.backend.cuda import cublaslt
     a = gpu.asarray(np.ones((32, 16), np.float32))

@@ -31,3 +31,15 @@ def test_matmul_errors():
         kiln.randn(2, 3) @ kiln.randn(3, 2, dtype="float64")
     with pytest.raises(ShapeError, match="does not fit a weight"):
         F.linear(kiln.randn(2, 3), kiln.randn(4, 5))
+
+
+def test_linear_gelu_is_gelu_of_linear_and_its_backward_checks():
+    x, w, b = randn(2, 3, 5), randn(4, 5), randn(4)
+    kx, kw, kb = (kiln.tensor(a, requires_grad=True) for a in (x, w, b))
+    fused = F.linear_gelu(kx, kw, kb)
+    ref = F.gelu(F.linear(kiln.tensor(x), kiln.tensor(w), kiln.tensor(b)))
+    assert fused.shape == (2, 3, 4)
+    assert np.allclose(fused.numpy(), ref.numpy(), rtol=1e-14, atol=1e-14)
+    gradcheck(F.linear_gelu, randn(3, 5), randn(4, 5), randn(4))
+    with pytest.raises(ShapeError, match="linear_gelu"):
+        F.linear_gelu(kiln.randn(2, 5), kiln.randn(4, 5), kiln.randn(3))

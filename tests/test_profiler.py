@@ -14,7 +14,8 @@ def test_profiler_spans_every_kernel_call_and_writes_a_chrome_trace(tmp_path):
         _, loss = model(x, x)
         loss.backward()
     s = prof.summary()
-    assert s["kernels"]["linear_fwd"]["calls"] == 2 * 4 + 1  # 4 per block + the head
+    assert s["kernels"]["linear_fwd"]["calls"] == 2 * 3 + 1  # 3 per block + the head
+    assert s["kernels"]["linear_gelu_fwd"]["calls"] == 2  # the MLP's first layer
     assert s["kernels"]["linear_bwd"]["calls"] == 9
     assert s["kernels"]["attention_fwd"]["calls"] == 2 and s["kernels"]["cross_entropy_bwd"]["calls"] == 1
     assert 0 < s["tracked_ms"] <= s["total_ms"]

@@ -12,6 +12,7 @@ import heapq
 import itertools
 import threading
 
+from kiln.backend import array_backend
 from kiln.errors import AutogradError
 
 _state = threading.local()
@@ -60,17 +61,20 @@ class AccumulateGrad:
         self.leaf = leaf
         self.seq = -1  # leaves run last among equals
 
-    def accumulate(self, grad) -> None:
+    def accumulate(self, grad, owned: bool = False) -> None:
+        """owned: grad is a new array nothing else holds (a sum, a cast, the output of a Function with
+        fresh_grads), so it becomes leaf.grad as it is; otherwise leaf.grad is a copy."""
         leaf = self.leaf
+        backend = leaf.backend
         if grad.dtype != leaf.dtype.np:
-            grad = grad.astype(leaf.dtype.np)
+            grad, owned = backend.cast(grad, leaf.dtype.np), True
         if grad.shape != leaf.shape:
             raise AutogradError(f"gradient of shape {grad.shape} for a leaf of shape {leaf.shape}")
         if leaf.grad is None:
             from kiln.tensor import Tensor
-            leaf.grad = Tensor._wrap(grad.copy(), leaf.device)
+            leaf.grad = Tensor._wrap(grad if owned and grad.flags.c_contiguous else grad.copy(), leaf.device)
         else:
-            leaf.grad.data += grad
+            backend.add(leaf.grad.data, grad, out=leaf.grad.data)
         for hook in leaf._post_accumulate_hooks:
             hook(leaf)
 
@@ -80,6 +84,7 @@ class Function:
 
     __slots__ = ("next_edges", "needs_input_grad", "_saved", "seq", "num_outputs", "freed", "__dict__")
     is_view = False  # True for ops whose outputs alias their first input (they share its version)
+    fresh_grads = False  # True when backward returns new arrays only, none aliasing another or g
 
     @staticmethod
     def forward(ctx, *args, **kwargs):  # pragma: no cover - abstract
@@ -197,6 +202,7 @@ def backward(root, grad, retain_graph: bool = False) -> None:
                 stack.append(child)
 
     pending: dict = {id(root.grad_fn): [None] * root.grad_fn.num_outputs}
+    owned: set = set()  # ids of gradient arrays nothing else holds (AccumulateGrad keeps them uncopied)
     pending[id(root.grad_fn)][root._output_nr] = grad
     # Later nodes first, as PyTorch does: parameters used last get their gradients first (DDP).
     ready = [(-root.grad_fn.seq, 0, root.grad_fn)]
@@ -207,10 +213,14 @@ def backward(root, grad, retain_graph: bool = False) -> None:
             grads = pending.pop(id(node), None)
             if isinstance(node, AccumulateGrad):
                 if grads is not None:
-                    node.accumulate(grads[0])
+                    node.accumulate(grads[0], owned=id(grads[0]) in owned)
+                    owned.discard(id(grads[0]))
                 continue
             # A node that no gradient reached still releases its children's counts.
+            if grads is not None:
+                owned.difference_update(id(g) for g in grads)  # they die here: their ids may be reused
             in_grads = _run_node(node, grads) if grads is not None else (None,) * len(node.next_edges)
+            fresh = type(node).fresh_grads
             if not retain_graph:
                 node.release()
             for edge, g in zip(node.next_edges, in_grads):
@@ -223,7 +233,14 @@ def backward(root, grad, retain_graph: bool = False) -> None:
                     if slot is None:
                         slot = pending[key] = [None] * (1 if isinstance(child, AccumulateGrad)
                                                         else child.num_outputs)
-                    slot[nr] = g if slot[nr] is None else slot[nr] + g
+                    if slot[nr] is None:
+                        slot[nr] = g
+                        if fresh:
+                            owned.add(id(g))
+                    else:
+                        owned.discard(id(slot[nr]))
+                        slot[nr] = array_backend(g).add(slot[nr], g)  # a new array
+                        owned.add(id(slot[nr]))
                 deps[key] -= 1
                 if deps[key] == 0:
                     heapq.heappush(ready, (-child.seq, next(tie), child))

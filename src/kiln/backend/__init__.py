@@ -92,6 +92,12 @@ def cuda_is_available() -> bool:
     return True
 
 
+def array_backend(array):
+    """The backend module an array belongs to (the cpu one for NumPy, else cuda)."""
+    import numpy as np
+    return get_backend("cpu" if isinstance(array, (np.ndarray, np.generic)) else "cuda")
+
+
 def array_module(array):
     """NumPy or CuPy, whichever `array` belongs to (for code that only has the array)."""
     import numpy as np

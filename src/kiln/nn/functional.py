@@ -1,14 +1,14 @@
 """The differentiable functions in one namespace (as torch.nn.functional)."""
 
-from kiln.ops.attention import scaled_dot_product_attention
+from kiln.ops.attention import causal_self_attention, scaled_dot_product_attention
 from kiln.ops.cross_entropy import cross_entropy
 from kiln.ops.dropout import dropout
 from kiln.ops.elementwise import where
 from kiln.ops.embedding import embedding
 from kiln.ops.gelu import gelu
 from kiln.ops.layer_norm import layer_norm
-from kiln.ops.matmul import linear, matmul
+from kiln.ops.matmul import linear, linear_gelu, matmul
 from kiln.ops.softmax import log_softmax, softmax
 
-__all__ = ["scaled_dot_product_attention", "cross_entropy", "dropout", "where", "embedding", "gelu",
-           "layer_norm", "linear", "matmul", "log_softmax", "softmax"]
+__all__ = ["causal_self_attention", "scaled_dot_product_attention", "cross_entropy", "dropout", "where", "embedding", "gelu",
+           "layer_norm", "linear", "linear_gelu", "matmul", "log_softmax", "softmax"]

@@ -11,7 +11,7 @@ import numpy as np
 from kiln.autograd import no_grad
 from kiln.errors import ConfigError
 from kiln.nn import functional as F
-from kiln.nn.layers import Dropout, Embedding, GELU, LayerNorm, Linear, as_dtype_of
+from kiln.nn.layers import Dropout, Embedding, LayerNorm, Linear, as_dtype_of
 from kiln.nn.module import Module, ModuleList
 from kiln.tensor import Tensor, arange
 
@@ -70,14 +70,9 @@ class CausalSelfAttention(Module):
         self.resid_dropout = Dropout(cfg.dropout)
 
     def forward(self, x):
-        b, t, c = x.shape
-        h = self.n_head
-        qkv = self.c_attn(x).reshape(b, t, 3, h, c // h).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.split(1, dim=0)
-        y = F.scaled_dot_product_attention(q.reshape(b, h, t, c // h), k.reshape(b, h, t, c // h),
-                                           v.reshape(b, h, t, c // h))
-        y = y.transpose(1, 2).reshape(b, t, c)
-        return self.resid_dropout(self.c_proj(y))
+        # q, k, v stay packed in c_attn's [B, T, 3C] output: the attention kernels read them (and
+        # write their gradients) in place, and return [B, T, C] with the heads side by side
+        return self.resid_dropout(self.c_proj(F.causal_self_attention(self.c_attn(x), self.n_head)))
 
 
 class MLP(Module):
@@ -85,12 +80,16 @@ class MLP(Module):
         super().__init__()
         resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, generator=generator)
-        self.gelu = GELU()
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        fc = self.c_fc
+        if fc.bias is None:
+            h = F.gelu(fc(x))
+        else:  # one op: on the GPU in bf16 the GELU is the GEMM's epilogue
+            h = F.linear_gelu(x, as_dtype_of(fc.weight, x), as_dtype_of(fc.bias, x))
+        return self.dropout(self.c_proj(h))
 
 
 class Block(Module):

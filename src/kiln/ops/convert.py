@@ -6,14 +6,17 @@ from kiln.autograd import Function
 
 
 class ToDType(Function):
+    fresh_grads = True  # the cast back is a new array: AccumulateGrad may keep it without a copy
+
     @staticmethod
     def forward(ctx, x, dtype):
         ctx.src = x.dtype.np
-        return x.data.astype(dtype.np)
+        ctx.backend = x.backend
+        return x.backend.cast(x.data, dtype.np)
 
     @staticmethod
     def backward(ctx, g):
-        return g.astype(ctx.src)
+        return ctx.backend.cast(g, ctx.src)
 
 
 class ToDevice(Function):

@@ -7,6 +7,8 @@ from kiln.errors import DTypeError, ShapeError
 
 
 class Embedding(Function):
+    fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
+
     @staticmethod
     def forward(ctx, weight, idx):
         ctx.meta = (idx.data, weight.shape[0], weight.backend)

@@ -7,6 +7,8 @@ from kiln.errors import ShapeError
 
 
 class LayerNorm(Function):
+    fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
+
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         c = x.shape[-1]

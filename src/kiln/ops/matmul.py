@@ -58,6 +58,8 @@ def matmul(a, b):
 
 
 class Linear(Function):
+    fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
+
     @staticmethod
     def forward(ctx, x, weight, bias=None):
         ctx.has_bias = bias is not None
@@ -80,6 +82,44 @@ class Linear(Function):
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         return (dx, dw, db) if ctx.has_bias else (dx, dw)
+
+
+class LinearGELU(Function):
+    fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.backend = x.backend
+        ctx.x_shape = x.shape
+        nx, nw = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if nw else None, weight if nx else None)
+        x2 = x.data.reshape(-1, x.shape[-1])
+        h, pre = x.backend.linear_gelu_fwd(x2, weight.data, bias.data)
+        ctx.pre = pre  # an intermediate, not an input: nothing can modify it in place
+        return h.reshape(x.shape[:-1] + (weight.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved
+        need = ctx.needs_input_grad
+        dpre = ctx.backend.gelu_bwd(g.reshape(-1, g.shape[-1]), ctx.pre)
+        ctx.pre = None
+        x2 = None if x is None else x.reshape(-1, x.shape[-1])
+        dx, dw, db = ctx.backend.linear_bwd(dpre, x2, w, need[0], need[1], need[2])
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        return dx, dw, db
+
+
+def linear_gelu(x, weight, bias):
+    """gelu(x @ weight^T + bias) in one op: a GPT MLP's first layer. On the GPU in bf16 the GELU rides
+    in the GEMM's epilogue; the pre-activation is kept for the backward either way."""
+    _check_float_pair("linear_gelu", x, weight)
+    _check_float_pair("linear_gelu", x, bias)
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1] or bias.shape != (weight.shape[0],):
+        raise ShapeError(f"linear_gelu: input {x.shape}, weight {weight.shape} and bias {bias.shape} do not fit "
+                         "(expected [..., in], [out, in] and [out])")
+    return LinearGELU.apply(x, weight, bias)
 
 
 def linear(x, weight, bias=None):

@@ -15,18 +15,28 @@ from kiln.backend.cpu.dropout import dropout_fwd
 from kiln.backend.cpu.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cpu.gelu import gelu_bwd, gelu_fwd
 from kiln.backend.cpu.layer_norm import layer_norm_bwd, layer_norm_fwd
-from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, matmul
+from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
 from kiln.backend.cpu.softmax import log_softmax_bwd, log_softmax_fwd, softmax_bwd, softmax_fwd
 
 xp = np
 name = "cpu"
 
 __all__ = [
-    "adamw_step", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
+    "add", "cast", "adamw_step", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
     "cross_entropy_fwd", "dropout_fwd", "embedding_bwd", "embedding_fwd", "gelu_bwd", "gelu_fwd",
-    "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "matmul", "log_softmax_bwd",
+    "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "linear_gelu_fwd", "matmul", "log_softmax_bwd",
     "log_softmax_fwd", "softmax_bwd", "softmax_fwd",
 ]
+
+
+def add(a, b, out=None):
+    """a + b (into out when given)."""
+    return np.add(a, b, out=out)
+
+
+def cast(x, dtype):
+    """x converted to dtype, a new array."""
+    return x.astype(dtype)
 
 
 def asarray(data, dtype=None):

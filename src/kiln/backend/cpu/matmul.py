@@ -24,9 +24,19 @@ def linear_fwd(x, weight, bias):
     return y
 
 
+def linear_gelu_fwd(x, weight, bias):
+    """(gelu(pre), pre) for pre = x @ weight^T + bias: the MLP's first layer, its pre-activation kept
+    for the backward."""
+    from kiln.backend.cpu.gelu import gelu_fwd
+    pre = linear_fwd(x, weight, bias)
+    return gelu_fwd(pre), pre
+
+
 def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
-    """(dx, dweight, dbias) for y = x @ weight^T + b; grad and x are 2-D."""
-    dx = _gemm(grad, weight, x.dtype) if need_dx else None
-    dw = _gemm(grad.T, x, weight.dtype) if need_dw else None
-    db = upcast(grad).sum(axis=0).astype(weight.dtype, copy=False) if need_db else None
+    """(dx, dweight, dbias) for y = x @ weight^T + b; grad and x are 2-D. x is None when dweight is
+    not needed, weight when dx is not (autograd saves only what the backward reads)."""
+    dtype = grad.dtype  # = x's = weight's (linear checks that they match)
+    dx = _gemm(grad, weight, dtype) if need_dx else None
+    dw = _gemm(grad.T, x, dtype) if need_dw else None
+    db = upcast(grad).sum(axis=0).astype(dtype, copy=False) if need_db else None
     return dx, dw, db

@@ -81,6 +81,7 @@ FAMILIES = {
                                                           ("float", "__nv_bfloat16"))]
                  + [f"sumsq_multi<{t}>" for t in _F] + ["sumsq_finish", "adamw_set_hyper"]
                  + [f"scale_multi<{t}>" for t in _F]),
+    "elementwise.cu": [f"add<{t}>" for t in _F] + [f"cast<{a}, {b}>" for a in _F for b in _F if a != b],
     "random.cu": ([f"philox_uniform<{t}>" for t in _F] + [f"philox_normal<{t}>" for t in _F]
                   + [f"dropout_fwd<{t}>" for t in _F]),
 }

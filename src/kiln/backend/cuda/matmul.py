@@ -125,6 +125,36 @@ def linear_fwd(x, weight, bias):
     return y
 
 
+_no_gelu_epilogue: set = set()  # (dtype, m, n, k) where cuBLASLt offered no GELU_AUX_BIAS algorithm
+
+
+def linear_gelu_fwd(x, weight, bias):
+    """(gelu(pre), pre) for pre = x @ weight^T + bias. In bf16/fp16 one GEMM writes both (cuBLASLt's
+    GELU_AUX_BIAS epilogue: no GELU pass over the [N, 4C] activations); fp32 keeps kiln's exact GELU
+    kernel (cuBLASLt's GELU is a ~1e-3 approximation) after the GEMM."""
+    from kiln.backend.cuda.gelu import gelu_fwd
+    cp = rt.cupy()
+    n_rows, k = x.shape
+    n_out = weight.shape[0]
+    key = (np.dtype(x.dtype).name, n_rows, n_out, k)
+    if bias is None or np.dtype(x.dtype).name not in ("bfloat16", "float16") or not _gemm_dtype(x, weight, bias) \
+            or n_rows == 0 or k == 0 or key in _no_gelu_epilogue:
+        pre = linear_fwd(x, weight, bias)
+        return gelu_fwd(pre), pre
+    h = cp.empty((n_rows, n_out), dtype=x.dtype)
+    pre = cp.empty((n_rows, n_out), dtype=x.dtype)
+    xa, tx, ldx = as_matrix(x)
+    wa, tw, ldw = as_matrix(weight)
+    try:
+        cublaslt.gemm(xa, wa, h, m=n_rows, n=n_out, k=k, trans_a=tx, trans_b=not tw, lda=ldx, ldb=ldw,
+                      bias=cp.ascontiguousarray(bias), epilogue="gelu_aux_bias", aux=pre, aux_ld=n_out)
+    except cublaslt.CublasError:
+        _no_gelu_epilogue.add(key)
+        pre = linear_fwd(x, weight, bias)
+        return gelu_fwd(pre), pre
+    return h, pre
+
+
 def _linear_fwd_f64(x, weight, bias):
     y = x @ weight.T
     if bias is not None:
@@ -138,7 +168,7 @@ _no_bgradb: set = set()  # (dtype, m, n, k) where cuBLASLt offered no BGRADB alg
 def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
     """(dx, dweight, dbias) for y = x @ weight^T + b; dbias rides in the dW GEMM (BGRADB epilogue)."""
     cp = rt.cupy()
-    if not _gemm_dtype(grad, weight) or (x is not None and x.dtype != grad.dtype):
+    if not _gemm_dtype(*(a for a in (grad, weight, x) if a is not None)):
         if grad.dtype == np.float64:
             dx = grad @ weight if need_dx else None
             dw = grad.T @ x if need_dw else None
@@ -146,20 +176,20 @@ def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
             return dx, dw, db
         return cpu_fallback(cpu.linear_bwd, grad, x, weight, need_dx, need_dw, need_db)
     n_rows, n_out = grad.shape
-    n_in = weight.shape[1]
+    n_in = weight.shape[1] if weight is not None else x.shape[1]
     ga, tg, ldg = as_matrix(grad)
     dx = dw = db = None
     if need_dx:
-        dx = cp.empty((n_rows, n_in), dtype=x.dtype if x is not None else grad.dtype)
+        dx = cp.empty((n_rows, n_in), dtype=grad.dtype)
         if dx.size and n_out == 0:
             dx[...] = 0
         elif dx.size:
             wa, tw, ldw = as_matrix(weight)
             cublaslt.gemm(ga, wa, dx, m=n_rows, n=n_in, k=n_out, trans_a=tg, trans_b=tw, lda=ldg, ldb=ldw)
     if need_db:
-        db = cp.empty((n_out,), dtype=weight.dtype)
+        db = cp.empty((n_out,), dtype=grad.dtype)
     if need_dw:
-        dw = cp.empty((n_out, n_in), dtype=weight.dtype)
+        dw = cp.empty((n_out, n_in), dtype=grad.dtype)
         if dw.size and n_rows == 0:
             dw[...] = 0
             if db is not None:
