@@ -184,11 +184,13 @@ def test_the_next_copy_overlaps_compute_and_never_overwrites_a_buffer_in_use(tmp
     assert_same([b0, b1, b2, b3], take(cpu, 4))
 
 
-def test_the_trainer_trains_from_the_staged_loader_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["op-by-op", "graph"])
+def test_the_trainer_trains_from_the_staged_loader_and_resumes_exactly(tmp_path, cuda_graph):
     from kiln.checkpoint import CheckpointFolder, load
     from kiln.train import TrainConfig, Trainer
     cfg = dict(model_overrides={"n_layer": 2, "n_embd": 32, "n_head": 4, "block_size": 32, "dropout": 0.0},
-               batch_size=4, progress=False, eval_iters=2, sample_tokens=0, out_dir=str(tmp_path))
+               batch_size=4, progress=False, eval_iters=2, sample_tokens=0, out_dir=str(tmp_path),
+               cuda_graph=cuda_graph)
     gpu, cpu = Trainer(TrainConfig(**cfg, device="cuda")), Trainer(TrainConfig(**cfg, device="cpu"))
     assert gpu.train_loader.pinned and gpu.val_loader.pinned
     for loader in ("train_loader", "val_loader"):
@@ -202,6 +204,18 @@ def test_the_trainer_trains_from_the_staged_loader_and_resumes_exactly(tmp_path)
     full.fit()
     ck = CheckpointFolder(tmp_path / "full" / "checkpoints")
     stopped = stopped_run_folder(tmp_path / "full", 4, tmp_path / "stopped")
+    raw = ck.path_for(4).read_bytes()
+    try:
+        load(ck.path_for(4))
+    except Exception as e:  # seen on the H200 on 2026-12-03: where the header's JSON breaks says which write went wrong
+        n = int.from_bytes(raw[:8], "little")
+        try:
+            json.loads(raw[8:8 + n].decode("utf-8", errors="replace"))
+            where = "the header parses here"
+        except ValueError as je:
+            at = 8 + getattr(je, "pos", 0)
+            where = f"{je}; bytes {at - 120}..{at + 120}: {raw[max(0, at - 120):at + 120]!r}"
+        pytest.fail(f"{e}\n{len(raw)} bytes, header length {n}; {where}")
     resumed = Trainer.from_checkpoint(stopped)
     assert resumed.train_loader.pinned
     # the saved position is the next batch to train on: 4 steps x 2 micro-batches read

@@ -78,10 +78,11 @@ def test_cli_train_then_sample(tmp_path):
 
 
 def test_cuda_graph_flag_reaches_the_config_and_a_cpu_run_is_unchanged(tmp_path):
-    args = build_parser().parse_args(["train", "--cuda-graph"])
-    assert args.cuda_graph is True and build_parser().parse_args(["train"]).cuda_graph is None
+    args = build_parser().parse_args(["train", "--no-cuda-graph"])
+    assert args.cuda_graph is False and build_parser().parse_args(["train"]).cuda_graph is None
+    assert TrainConfig().cuda_graph is True
     common = dict(model="tiny", device="cpu", max_steps=4, batch_size=2, eval_interval=4, eval_iters=1,
                   sample_tokens=0, progress=False, out_dir=str(tmp_path), model_overrides={"n_layer": 1})
-    plain = Trainer(TrainConfig(**common, run_name="plain")).fit()
-    graph = Trainer(TrainConfig(**common, run_name="graph", cuda_graph=True)).fit()  # graphs are CUDA-only
+    plain = Trainer(TrainConfig(**common, run_name="plain", cuda_graph=False)).fit()
+    graph = Trainer(TrainConfig(**common, run_name="graph")).fit()  # graphs are CUDA-only
     assert graph["final_train_loss"] == plain["final_train_loss"]

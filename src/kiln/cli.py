@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sync-checkpoint", dest="async_checkpoint", action="store_false", default=None,
                    help="write checkpoints in the training thread, not in the background")
     t.add_argument("--init-from", help="start from the weights of a kiln run or a Hugging Face GPT-2 folder")
-    t.add_argument("--cuda-graph", action="store_true", default=None,
-                   help="on CUDA, replay every step from the third as one captured CUDA graph (experimental)")
+    t.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
+                   help="on CUDA, run every step op by op (default: from the third step on, each step is "
+                        "replayed as one captured CUDA graph)")
     t.set_defaults(run=_train)
 
     s = sub.add_parser("sample", help="generate text from a trained run")

@@ -67,8 +67,7 @@ class TrainConfig:
     keep_checkpoints: int = 3                # the run folder keeps the newest K checkpoints
     async_checkpoint: bool = True            # write checkpoints on a background thread
     init_from: str | None = None             # start from these weights: a kiln run or a Hugging Face GPT-2 folder
-    cuda_graph: bool = False                 # on CUDA, replay each step as one captured CUDA graph
-                                             # (opt-in: a small-model divergence is open, tests/test_cuda_graph.py)
+    cuda_graph: bool = True                  # on CUDA, replay each step from the third as one captured CUDA graph
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")

@@ -7,16 +7,24 @@ GraphPool of its own, so the addresses the graph recorded stay reserved for it (
 
 from __future__ import annotations
 
+import weakref
+
 from kiln.backend.cuda import allocator
 from kiln.backend.cuda import device as rt
 from kiln.errors import GraphCaptureError
 
 
 class CapturedGraph:
-    """An instantiated CUDA graph, the allocator pool its memory lives in, and fn's result."""
+    """An instantiated CUDA graph, the allocator pool its memory lives in, and fn's result.
+
+    Dropped without release() (a CapturedStep that goes out of scope), its pool still returns to
+    the allocator when the object is collected: nothing can replay it then, and a replay still
+    running is ordered before any later eager work on kiln's one stream."""
 
     def __init__(self, graph, pool, result):
         self.graph, self.pool, self.result = graph, pool, result
+        alloc = allocator.installed()
+        self._finalizer = weakref.finalize(self, alloc.release_pool, pool) if alloc is not None else None
 
     def launch(self) -> None:
         self.graph.launch(stream=rt.stream())
@@ -26,9 +34,8 @@ class CapturedGraph:
         if self.graph is not None:
             rt.stream().synchronize()
             self.graph = None
-            alloc = allocator.installed()
-            if alloc is not None:
-                alloc.release_pool(self.pool)
+            if self._finalizer is not None:
+                self._finalizer()  # release_pool, once
 
 
 def capture(fn) -> CapturedGraph:
