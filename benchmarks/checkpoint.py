@@ -12,14 +12,13 @@ so machine noise hits both. Every save goes to a new file (the old one deleted, 
 released, before the clock starts), as a run's step-numbered checkpoints do.
 Phase 1, save and load:
   kiln save        kiln.checkpoint.save: CRC-32 per 4 MiB block + sha256 of the header, temp file,
-                   fsync, rename, fsync folder (O_DIRECT where the filesystem allows it)
+                   fsync, rename, fsync folder (plain pwrite; O_DIRECT with KILN_CHECKPOINT_DIRECT=1)
   kiln load        kiln.checkpoint.load from the disk: read + every checksum verified
   torch save       torch.save to a file + fsync (the durability a crash-safe checkpoint needs);
                    "nofsync" without it
   torch load       torch.load (weights_only) from the disk, the file evicted from the page cache
                    (posix_fadvise) as kiln's is: a resume. "page cache": the same load again, warm.
-                   (kiln's O_DIRECT save leaves nothing in the page cache, so its load is always
-                   from the disk.) torch.load does not check its zip CRC32s (a flipped byte loads
+                   (kiln's file is evicted the same way.) torch.load does not check its zip CRC32s (a flipped byte loads
                    silently), so "torch+sha256" adds what integrity costs PyTorch: a sha256 of the
                    file after saving and before loading.
 Phase 2, inside training:
