@@ -12,6 +12,7 @@ from kiln.backend.cpu.adamw import adamw_step, grad_norm, scale_
 from kiln.backend.cpu.attention import attention_bwd, attention_fwd
 from kiln.backend.cpu.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from kiln.backend.cpu.dropout import dropout_fwd
+from kiln.backend.cpu.elementwise import add, cast
 from kiln.backend.cpu.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cpu.gelu import gelu_bwd, gelu_fwd
 from kiln.backend.cpu.layer_norm import layer_norm_bwd, layer_norm_fwd
@@ -27,16 +28,6 @@ __all__ = [
     "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "linear_gelu_fwd", "matmul", "log_softmax_bwd",
     "log_softmax_fwd", "softmax_bwd", "softmax_fwd",
 ]
-
-
-def add(a, b, out=None):
-    """a + b (into out when given)."""
-    return np.add(a, b, out=out)
-
-
-def cast(x, dtype):
-    """x converted to dtype, a new array."""
-    return x.astype(dtype)
 
 
 def asarray(data, dtype=None):
