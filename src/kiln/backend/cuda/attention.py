@@ -2,8 +2,8 @@
 
 q, k, v are [B, H, T, D] with D in ATTENTION_HEAD_DIMS (compile-time specialised); other head
 dims and float64 run the CPU reference on a host copy. float32 runs on the CUDA cores (strict
-fp32); bfloat16 and float16 run the tensor-core kernels (`*_tc`: mma.sync, fp32 accumulation),
-64 query (or key) rows per block.
+fp32, register-tiled, 64 threads per block); bfloat16 and float16 run the tensor-core kernels
+(`*_tc`: mma.sync, fp32 accumulation), 64 query (or key) rows per block of 128 threads.
 
 The kernels take every operand as it lies in memory: a [B, H, T, D] view with any batch, head
 and row strides (unit stride along D), so q, k, v can be views of c_attn's packed [B, T, 3, H, D]
@@ -24,6 +24,8 @@ from kiln.errors import ShapeError
 
 
 TC_ROWS = 64  # kTcRows in attention.cu
+TC_THREADS = 128  # kAttnThreads
+F32_THREADS = 64  # kF32Threads
 
 
 def _tensor_cores(t: str) -> bool:
@@ -31,8 +33,10 @@ def _tensor_cores(t: str) -> bool:
 
 
 def block_rows(d: int) -> tuple[int, int, int]:
-    """float32 kernels' (query rows per forward block, keys per dK/dV block, query rows per dQ block): AttnShape."""
-    return (16 if d >= 128 else 32, 8 if d >= 128 else (32 if d >= 64 else 16), 8 if d >= 128 else 32)
+    """float32 kernels' (query rows per forward block, keys per dK/dV block, query rows per dQ block):
+    2 WM, WM, WM of F32Shape (WM = 4 TM, TM = 4 at D = 128, else 8)."""
+    wm = 16 if d >= 128 else 32
+    return 2 * wm, wm, wm
 
 
 def _usable(q) -> bool:
@@ -45,35 +49,35 @@ def _check(q):
         raise ShapeError(f"attention on the GPU takes at most 65535 (batch x heads), got {b} x {h}")
 
 
-def _strides(a, tc: bool):
+def _strides(a):
     """(batch, head, row) strides of a [B, H, T, D] array in elements, or None when a kernel cannot
-    read it in place (D not unit-stride, negative strides, row offsets past 32 bits; for the tensor
-    cores, a row not 16-byte aligned)."""
+    read it in place (D not unit-stride, negative strides, row offsets past 32 bits, a row not
+    16-byte aligned: every kernel moves rows in 16-byte pieces, cp.async and float4)."""
     item = a.dtype.itemsize
     strides = [s if n > 1 else 0 for s, n in zip(a.strides, a.shape)]  # a length-1 axis has no stride
     if any(s < 0 or s % item for s in strides) or strides[3] not in (0, item) or \
             strides[2] // item >= 2**31 // max(a.shape[2], 1):
         return None
     sb, sh, st = (s // item for s in strides[:3])
-    if tc and (rt.ptr(a) % 16 or any((s * item) % 16 for s in (sb, sh, st))):
+    if rt.ptr(a) % 16 or any((s * item) % 16 for s in (sb, sh, st)):
         return None
     return sb, sh, st
 
 
-def _layout(arrays, tc: bool):
+def _layout(arrays):
     """(arrays, strides) with one set of strides shared by all of them: the first array's when the
     kernels read it in place (the others copied into its layout where theirs differ), else
     contiguous copies of all."""
-    first = _strides(arrays[0], tc)
+    first = _strides(arrays[0])
     out = [arrays[0]]
     for a in arrays[1:]:
-        if first is not None and _strides(a, tc) != first:
+        if first is not None and _strides(a) != first:
             a = _copy_in_layout_of(arrays[0], a)
         out.append(a)
-    if first is None or any(_strides(a, tc) != first for a in out):  # e.g. the first has gaps (a packed view)
+    if first is None or any(_strides(a) != first for a in out):  # e.g. the first has gaps (a packed view)
         cp = rt.cupy()
         out = [cp.ascontiguousarray(a) for a in arrays]
-        first = _strides(out[0], tc)
+        first = _strides(out[0])
     return out, first
 
 
@@ -104,13 +108,16 @@ def attention_fwd(q, k, v, scale):
     cp = rt.cupy()
     t = ctype(q.dtype)
     tc = _tensor_cores(t)
-    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)], tc)
+    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)])
     b, h, n_t, d = q.shape
     out = _bthd(q.shape, q.dtype)
     lse = cp.empty((b, h, n_t), dtype=cp.float32)
-    name, bq = (f"attention_fwd_tc<{t}, {d}>", TC_ROWS) if tc else (f"attention_fwd<{t}, {d}>", block_rows(d)[0])
-    get_kernel("attention.cu", name)((cdiv(n_t, bq), b * h), (128,),
-                                     (q, k, v, out, lse, i32(n_t), i32(h), f32(scale), *_args(qs, _strides(out, tc))))
+    if tc:
+        name, bq, threads = f"attention_fwd_tc<{t}, {d}>", TC_ROWS, TC_THREADS
+    else:
+        name, bq, threads = f"attention_fwd<{t}, {d}>", block_rows(d)[0], F32_THREADS
+    get_kernel("attention.cu", name)((cdiv(n_t, bq), b * h), (threads,),
+                                     (q, k, v, out, lse, i32(n_t), i32(h), f32(scale), *_args(qs, _strides(out))))
     return out, lse
 
 
@@ -124,28 +131,28 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None):
     cp = rt.cupy()
     t = ctype(q.dtype)
     tc = _tensor_cores(t)
-    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)], tc)
-    (out, grad), os_ = _layout([a.astype(q.dtype, copy=False) for a in (out, grad)], tc)
+    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)])
+    (out, grad), os_ = _layout([a.astype(q.dtype, copy=False) for a in (out, grad)])
     lse = cp.ascontiguousarray(lse.astype(cp.float32, copy=False))
     b, h, n_t, d = q.shape
     dests = into
-    gs = None if into is None or any(a.dtype != q.dtype for a in into) else _strides(into[0], tc)
-    if gs is None or any(_strides(a, tc) != gs for a in into):  # kernels write fresh arrays (copied into `into`)
+    gs = None if into is None or any(a.dtype != q.dtype for a in into) else _strides(into[0])
+    if gs is None or any(_strides(a) != gs for a in into):  # kernels write fresh arrays (copied into `into`)
         dests = [_bthd(q.shape, q.dtype) for _ in range(3)]
-        gs = _strides(dests[0], tc)
+        gs = _strides(dests[0])
     dq, dk, dv = dests
     delta = cp.empty((b, h, n_t), dtype=cp.float32)
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
         (cdiv(b * h * n_t, 8),), (256,), (grad, out, delta, i64(b * h * n_t), i32(n_t), i32(h), *_args(os_)))
     if tc:
-        suffix, bk, bq = "_tc", TC_ROWS, TC_ROWS
+        suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS
     else:
-        (_, bk, bq), suffix = block_rows(d), ""
+        (_, bk, bq), suffix, threads = block_rows(d), "", F32_THREADS
     strides = _args(qs, os_, gs)
     get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
-        (cdiv(n_t, bk), b * h), (128,), (q, k, v, grad, lse, delta, dk, dv, i32(n_t), i32(h), f32(scale), *strides))
+        (cdiv(n_t, bk), b * h), (threads,), (q, k, v, grad, lse, delta, dk, dv, i32(n_t), i32(h), f32(scale), *strides))
     get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
-        (cdiv(n_t, bq), b * h), (128,), (q, k, v, grad, lse, delta, dq, i32(n_t), i32(h), f32(scale), *strides))
+        (cdiv(n_t, bq), b * h), (threads,), (q, k, v, grad, lse, delta, dq, i32(n_t), i32(h), f32(scale), *strides))
     return _fill(into, (dq, dk, dv))
 
 

@@ -4,22 +4,21 @@
 // one [B, T, 3, H, D] buffer and out/grad views of [B, T, H, D], with no permute copies.
 // lse and delta are [B, H, T] fp32 contiguous (lse of the scaled scores).
 //
-// Forward (flash-attention's online softmax, Dao et al. 2022): a block owns BQ query rows of
-// one (b, h), each warp BQ/4 of them; key/value tiles of 32 rows go through shared memory,
-// lane j scores key j, then each lane accumulates D/32 output columns. Never more than one
-// [BQ, 32] tile of scores exists, so memory is O(T) and T = 16384 is fine.
+// Forward (flash-attention's online softmax, Dao et al. 2022): a block owns a block of query
+// rows of one (b, h) and walks the key/value tiles up to its last row; never more than one tile
+// of scores exists, so memory is O(T) and T = 16384 is fine.
 // Backward recomputes the probabilities from lse: `attention_bwd_delta` forms
 // delta = rowsum(dO * O); `attention_bwd_dkdv` owns a block of keys and walks the query tiles
 // at or after it; `attention_bwd_dq` owns a block of queries and walks the key tiles up to
 // it. Each output element is written by one thread with a fixed summation order: no atomics,
-// deterministic. These run float32 on the CUDA cores; bfloat16 and float16 take the
-// tensor-core kernels (`*_tc`) at the end of this file, which keep the same structure.
+// deterministic. float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
+// bfloat16 and float16 take the tensor-core kernels (`*_tc`) at the end of this file, which keep
+// the same structure.
 #include "common.cuh"
 
 using namespace kiln;
 
-constexpr int kAttnThreads = 128;  // 4 warps
-constexpr int kAttnWarps = kAttnThreads / 32;
+constexpr int kAttnThreads = 128;  // 4 warps (tensor-core kernels)
 
 // Element (b, h, t, d) of an operand lies at b * sb + h * sh + t * st + d.
 #define KILN_LAYOUT(p) long long p##_sb, long long p##_sh, long long p##_st
@@ -27,89 +26,311 @@ __device__ __forceinline__ long long head_offset(int bh, int n_h, long long sb, 
     return (long long)(bh / n_h) * sb + (long long)(bh % n_h) * sh;
 }
 
-template <int D> struct AttnShape {
-    // Rows per block, chosen so that every kernel's static shared memory stays under 48 KiB.
-    static constexpr int fwd_q = D >= 128 ? 16 : 32;
-    static constexpr int bwd_k = D >= 128 ? 8 : (D >= 64 ? 32 : 16);
-    static constexpr int bwd_q = D >= 128 ? 8 : 32;
+// ---- Asynchronous global -> shared copies (cp.async), used by every kernel of this file ------
+
+using u32 = unsigned int;  // NVRTC has no <cstdint>
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// Global -> shared without a trip through registers; zero-filled when !ok (src stays a valid
+// address then, the caller clamps it).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- float32 on the CUDA cores: register-tiled ------------------------------------------
+//
+// 64 threads (2 warps) per block. Every product is an outer product in registers: a thread owns
+// TM rows of the left operand and TN (or TE) rows/columns of the right one and, per step of the
+// reduction, loads both from shared memory as float4s, so at D <= 64 each loaded word feeds 2.7 (S,
+// 8 x 4) to 4 (P·V, dV, dK, dQ, 8 x 8) FMAs; the old kernels fed about 1. Lanes: mg = lane bits 1 and 4
+// picks the thread's TM consecutive rows (4 groups of a warp), ng = bits 0, 2, 3 its columns (8
+// groups), so lanes n and n^1 load the same left words and n and n^2 the same right words.
+//   S = A·Bᵀ (reduction over D): A stored transposed ([d][row], a thread's rows contiguous), B
+//     row-major [row][D + 4] (a thread's TN rows ng, ng + 8, ...; the pad of 4 puts the 8 row
+//     groups on distinct banks); per 4 d: TM + TN float4 loads, 4 TM TN FMAs.
+//   C += P·V (reduction over the tile's rows): P stored transposed [key][row] (the score step
+//     writes it so), V row-major (a thread's columns 4 ng + 32 c + 0..3); per row: TM/4 + TE/4
+//     float4 loads, TM TE FMAs.
+// Every shared-memory load of these loops is free of bank conflicts. Exponentials are exp2f of
+// scores in log2 units (scale·log2 e folded into Q or into one multiplier).
+// Forward: one block = 2 x 4 TM query rows, each warp 4 TM rows against every key of a tile of
+// BN keys; the row max is reduced over the 8 ng lanes by shuffles, each lane keeps its part of
+// the row sum; P goes to the P·V step through shared memory ([key][row], each warp its rows). K
+// and V tiles arrive by cp.async without a second buffer: K(t+1) lands while P·V(t) runs and
+// V(t+1) while S(t+1) does. dK/dV: one block = 4 TM keys; per query tile, warp 0 computes
+// Sᵀ = K·Qᵀ -> Pᵀ and warp 1 dPᵀ = V·dOᵀ -> dSᵀ = Pᵀ∘(dPᵀ - delta); then warp 0 accumulates
+// dV += Pᵀ·dO and warp 1 dK += dSᵀ·Q (TM x TE each). dQ: one block = 4 TM queries; per key tile,
+// warp 0 computes S -> P and warp 1 dP -> dS, then each warp accumulates dQ += dS·K over its
+// half of the tile's keys; the halves are added in a fixed order at the end. Static shared
+// memory: 35-45 KiB a block.
+
+constexpr int kF32Threads = 64;
+// Resident blocks per SM asked of ptxas (so <= 204 registers): static shared memory (35-45 KiB a
+// block) allows 5 anyway. With it every kernel fits in 168 registers; without it dQ at D = 32
+// spilled.
+constexpr int kF32MinBlocks = 5;
+constexpr float kF32Log2e = 1.4426950408889634f;
+constexpr float kF32Ln2 = 0.6931471805599453f;
+
+template <int D> struct F32Shape {
+    static constexpr int TM = D >= 128 ? 4 : 8;  // rows (keys in dK/dV) of a thread
+    static constexpr int WM = 4 * TM;            // rows of a warp (4 mg groups)
+    static constexpr int BN = D <= 32 ? 64 : (D <= 64 ? 32 : 16);  // rows of a streamed tile
+    static constexpr int TN = BN / 8;            // streamed rows of a thread in a score tile
+    static constexpr int TE = D / 8;             // output columns of a thread
+    static_assert(TM % 4 == 0 && TE % 4 == 0 && BN % 8 == 0, "float4 micro-tiles");
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_fwd(const T* __restrict__ q, const T* __restrict__ k,
-                                                              const T* __restrict__ v, T* __restrict__ out,
-                                                              float* __restrict__ lse, int n_t, int n_h, float scale,
-                                                              KILN_LAYOUT(in), KILN_LAYOUT(o)) {
-    constexpr int BQ = AttnShape<D>::fwd_q;
-    constexpr int RPW = BQ / kAttnWarps;
-    constexpr int DL = D / 32;
-    __shared__ float Qs[BQ][D];
-    __shared__ float Ks[32][D + 1];
-    __shared__ float Vs[32][D];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), obase = head_offset(blockIdx.y, n_h, o_sb, o_sh);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
-    for (int i = threadIdx.x; i < BQ * D; i += kAttnThreads) {
-        const int r = i / D, d = i % D, row = q0 + r;
-        Qs[r][d] = row < n_t ? to_float(q[base + row * in_st + d]) * scale : 0.0f;
+__device__ __forceinline__ int f32_mg(int lane) { return ((lane >> 1) & 1) | ((lane >> 3) & 2); }
+__device__ __forceinline__ int f32_ng(int lane) { return (lane & 1) | ((lane >> 1) & 6); }
+
+__device__ __forceinline__ float4 lds4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void sts4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float f4_at(const float4& v, int i) {  // i is a constant after unrolling
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Max and sum over the 8 lanes of one mg group (lane bits 0, 2, 3). Every lane gets the same bits.
+__device__ __forceinline__ float ng_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+}
+__device__ __forceinline__ float ng_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    return v + __shfl_xor_sync(0xffffffffu, v, 8);
+}
+
+// Starts copying rows [r0, r0 + R) of a [n_t, D] fp32 matrix with row stride ld (16-byte aligned
+// rows) into dst[R][LD] (zeros past n_t); the caller commits the group.
+template <int R, int D, int LD>
+__device__ __forceinline__ void f32_rows_async(float* dst, const float* __restrict__ src, int ld, int r0, int n_t) {
+    constexpr int CH = D / 4;                // 16-byte chunks per row
+    constexpr int RP = kF32Threads / CH;     // rows per pass of the block
+    static_assert(kF32Threads % CH == 0 && R % RP == 0, "tile chunks must divide among the threads");
+    const int r = threadIdx.x / CH, c = (threadIdx.x % CH) * 4;
+    const float* p = src + ((r0 + r) * ld + c);
+    const u32 d = smem_addr(dst + r * LD + c);
+#pragma unroll
+    for (int it = 0; it < R / RP; ++it) {
+        const bool ok = r0 + r + it * RP < n_t;
+        cp_async16(d + it * RP * LD * 4, ok ? p + it * RP * ld : src, ok);
     }
-    float m[RPW], l[RPW], acc[RPW][DL];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        m[r] = -KILN_INF;
-        l[r] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < DL; ++c) acc[r][c] = 0.0f;
+}
+
+// The same for R floats [r0, r0 + R) of a vector.
+template <int R>
+__device__ __forceinline__ void f32_vec_async(float* dst, const float* __restrict__ src, int r0, int n_t) {
+    for (int i = threadIdx.x; i < R; i += kF32Threads) {
+        const bool ok = r0 + i < n_t;
+        cp_async4(smem_addr(dst + i), src + (ok ? r0 + i : 0), ok);
     }
-    const int q_last = min(q0 + BQ, n_t) - 1;
-    const int tiles = q_last / 32 + 1;
-    for (int t = 0; t < tiles; ++t) {
-        const int k0 = t * 32;
-        __syncthreads();
-        for (int i = threadIdx.x; i < 32 * D; i += kAttnThreads) {
-            const int j = i / D, d = i % D, key = k0 + j;
-            const bool ok = key < n_t;
-            Ks[j][d] = ok ? to_float(k[base + key * in_st + d]) : 0.0f;
-            Vs[j][d] = ok ? to_float(v[base + key * in_st + d]) : 0.0f;
-        }
-        __syncthreads();
-        float s[RPW];
+}
+
+// Rows [r0, r0 + R) of a [n_t, D] fp32 matrix (row stride ld) times mul, transposed into
+// dst[D][R] (zeros past n_t). Consecutive threads take consecutive rows: conflict-free stores.
+template <int R, int D>
+__device__ __forceinline__ void f32_load_t(float* dst, const float* __restrict__ src, int ld, int r0, int n_t,
+                                           float mul) {
+    for (int i = threadIdx.x; i < R * D / 4; i += kF32Threads) {
+        const int r = i % R, c = (i / R) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r0 + r < n_t) x = *reinterpret_cast<const float4*>(src + ((r0 + r) * ld + c));
+        dst[(c + 0) * R + r] = x.x * mul;
+        dst[(c + 1) * R + r] = x.y * mul;
+        dst[(c + 2) * R + r] = x.z * mul;
+        dst[(c + 3) * R + r] = x.w * mul;
+    }
+}
+
+// acc[i][j] += sum_{d < K} At[d * LDA + i] * B[8 j * LDB + d]: At is the left operand stored
+// transposed (offset to this thread's first row), B the right one row-major (offset to this
+// thread's first row, the others 8 rows apart).
+template <int TM, int TN, int K, int LDA, int LDB>
+__device__ __forceinline__ void f32_mma_abt(float (&acc)[TM][TN], const float* At, const float* B) {
+    static_assert(K % 4 == 0, "K in steps of 4");
+#pragma unroll 2
+    for (int d = 0; d < K; d += 4) {
+        float4 b[TN];
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) s[r] = 0.0f;
-#pragma unroll 8
-        for (int d = 0; d < D; ++d) {
-            const float kd = Ks[lane][d];
+        for (int j = 0; j < TN; ++j) b[j] = lds4(B + 8 * j * LDB + d);
 #pragma unroll
-            for (int r = 0; r < RPW; ++r) s[r] += Qs[warp * RPW + r][d] * kd;
-        }
-        const int key = k0 + lane;
+        for (int dd = 0; dd < 4; ++dd) {
+            float a[TM];
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            const int row = q0 + warp * RPW + r;
-            const float sv = (key <= row && key < n_t) ? s[r] : -KILN_INF;
-            const float mn = fmaxf(m[r], warp_max(sv));
-            const float pv = sv == -KILN_INF ? 0.0f : expf(sv - mn);
-            const float alpha = m[r] == -KILN_INF ? 0.0f : expf(m[r] - mn);
-            l[r] = l[r] * alpha + warp_sum(pv);
-            m[r] = mn;
+            for (int i = 0; i < TM; i += 4) {
+                const float4 x = lds4(At + (d + dd) * LDA + i);
+                a[i] = x.x;
+                a[i + 1] = x.y;
+                a[i + 2] = x.z;
+                a[i + 3] = x.w;
+            }
 #pragma unroll
-            for (int c = 0; c < DL; ++c) acc[r][c] *= alpha;
-#pragma unroll 4
-            for (int j = 0; j < 32; ++j) {
-                const float pj = __shfl_sync(0xffffffffu, pv, j);
+            for (int j = 0; j < TN; ++j) {
+                const float bj = f4_at(b[j], dd);
 #pragma unroll
-                for (int c = 0; c < DL; ++c) acc[r][c] += pj * Vs[j][lane + 32 * c];
+                for (int i = 0; i < TM; ++i) acc[i][j] = fmaf(a[i], bj, acc[i][j]);
             }
         }
     }
+}
+
+// acc[i][e] += sum_{k < K} At[k * LDA + i] * B[k * LDB + 32 (e / 4) + e % 4]: At is the left
+// operand stored transposed (offset to this thread's first row), B the right one row-major
+// (offset to this thread's first column, 4 ng).
+template <int TM, int TE, int K, int LDA, int LDB>
+__device__ __forceinline__ void f32_mma_ab(float (&acc)[TM][TE], const float* At, const float* B) {
+#pragma unroll 8
+    for (int k = 0; k < K; ++k) {
+        float a[TM], b[TE];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const int row = q0 + warp * RPW + r;
+        for (int i = 0; i < TM; i += 4) {
+            const float4 x = lds4(At + k * LDA + i);
+            a[i] = x.x;
+            a[i + 1] = x.y;
+            a[i + 2] = x.z;
+            a[i + 3] = x.w;
+        }
+#pragma unroll
+        for (int e = 0; e < TE; e += 4) {
+            const float4 x = lds4(B + k * LDB + 8 * e);
+            b[e] = x.x;
+            b[e + 1] = x.y;
+            b[e + 2] = x.z;
+            b[e + 3] = x.w;
+        }
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int e = 0; e < TE; ++e) acc[i][e] = fmaf(a[i], b[e], acc[i][e]);
+    }
+}
+
+template <int M, int N> __device__ __forceinline__ void f32_zero(float (&a)[M][N]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+        for (int j = 0; j < N; ++j) a[i][j] = 0.0f;
+}
+
+// Row i of this thread's TE output columns (4 ng + 32 c + 0..3) times mul, as float4 stores.
+template <int TE>
+__device__ __forceinline__ void f32_store_row(float* __restrict__ dst, const float (&x)[TE], float mul) {
+#pragma unroll
+    for (int e = 0; e < TE; e += 4)
+        *reinterpret_cast<float4*>(dst + 8 * e) =
+            make_float4(x[e] * mul, x[e + 1] * mul, x[e + 2] * mul, x[e + 3] * mul);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
+    attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+                  float* __restrict__ lse, int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o)) {
+    using S = F32Shape<D>;
+    constexpr int TM = S::TM, TN = S::TN, TE = S::TE, BN = S::BN, BQ = 2 * S::WM;
+    constexpr int LDK = D + 4, LDP = BQ + 4;
+    __shared__ __align__(16) float Qt[D * BQ];   // this block's queries times scale log2 e, [d][row]
+    __shared__ __align__(16) float Ks[BN * LDK];  // key tile, [key][d]
+    __shared__ __align__(16) float Vs[BN * D];    // value tile, [key][d]
+    __shared__ __align__(16) float Pt[BN * LDP];  // probabilities, [key][row] (each warp its rows)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mg = f32_mg(lane), ng = f32_ng(lane);
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh);
+    const float* kb = k + base;
+    const float* vb = v + base;
+    const int ld = (int)in_st;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
+    const int rl = warp * S::WM + mg * TM;              // this thread's first row in the block
+    const int row0 = q0 + rl;
+    const int warp_row0 = q0 + warp * S::WM;
+    const int n_tiles = (min(q0 + BQ, n_t) - 1) / BN + 1;
+    f32_rows_async<BN, D, LDK>(Ks, kb, ld, 0, n_t);
+    cp_async_commit();
+    f32_rows_async<BN, D, D>(Vs, vb, ld, 0, n_t);
+    cp_async_commit();
+    f32_load_t<BQ, D>(Qt, q + base, ld, q0, n_t, scale * kF32Log2e);  // scores in log2 units
+    float m[TM], l[TM], o[TM][TE];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        m[i] = -KILN_INF;
+        l[i] = 0.0f;
+    }
+    f32_zero(o);
+    for (int t = 0; t < n_tiles; ++t) {
+        const int k0 = t * BN;
+        cp_async_wait_group<1>();  // K(t) has landed (V(t) may still be in flight)
+        __syncthreads();           // ... for everyone (and Qt, at t = 0)
+        // A warp whose rows all precede this tile's keys skips it. Every warp takes tile 0, whose
+        // key 0 is valid for every row, so m is finite from then on (no -inf - -inf).
+        const bool active = k0 <= warp_row0 + S::WM - 1;
+        if (active) {
+            float s[TM][TN];
+            f32_zero(s);
+            f32_mma_abt<TM, TN, D, BQ, LDK>(s, Qt + rl, Ks + ng * LDK);
+            const bool diag = k0 + BN - 1 > warp_row0;  // some key of the tile follows some row of the warp
+#pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                float mx = -KILN_INF;
+#pragma unroll
+                for (int j = 0; j < TN; ++j) {
+                    if (diag && k0 + ng + 8 * j > row0 + i) s[i][j] = -KILN_INF;
+                    mx = fmaxf(mx, s[i][j]);
+                }
+                const float mn = fmaxf(m[i], ng_max(mx));
+                const float alpha = exp2f(m[i] - mn);
+                m[i] = mn;
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < TN; ++j) {
+                    s[i][j] = exp2f(s[i][j] - mn);
+                    sum += s[i][j];
+                }
+                l[i] = l[i] * alpha + sum;  // this lane's part of the row sum; the 8 lanes are summed at the end
+#pragma unroll
+                for (int e = 0; e < TE; ++e) o[i][e] *= alpha;
+            }
+#pragma unroll
+            for (int j = 0; j < TN; ++j)
+#pragma unroll
+                for (int i = 0; i < TM; i += 4)
+                    sts4(Pt + (ng + 8 * j) * LDP + rl + i, make_float4(s[i][j], s[i + 1][j], s[i + 2][j], s[i + 3][j]));
+        }
+        cp_async_wait_group<0>();  // V(t) has landed
+        __syncthreads();           // ... for everyone; everyone is done with Ks; Pt is written
+        if (t + 1 < n_tiles) {
+            f32_rows_async<BN, D, LDK>(Ks, kb, ld, k0 + BN, n_t);
+            cp_async_commit();
+        }
+        if (active) f32_mma_ab<TM, TE, BN, LDP, D>(o, Pt + rl, Vs + ng * 4);
+        __syncthreads();  // everyone is done with Vs (and its Pt)
+        if (t + 1 < n_tiles) {
+            f32_rows_async<BN, D, D>(Vs, vb, ld, k0 + BN, n_t);
+            cp_async_commit();
+        }
+    }
+    T* ob = out + head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    const int ldo = (int)o_st;
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const float lt = ng_sum(l[i]);
+        const int row = row0 + i;
         if (row < n_t) {
-            const float inv = 1.0f / l[r];
-#pragma unroll
-            for (int c = 0; c < DL; ++c)
-                out[obase + row * o_st + lane + 32 * c] = from_float<T>(acc[r][c] * inv);
-            if (lane == 0) lse[(long long)blockIdx.y * n_t + row] = m[r] + logf(l[r]);
+            f32_store_row<TE>(ob + (row * ldo + ng * 4), o[i], 1.0f / lt);
+            if (ng == 0) lse[(long long)blockIdx.y * n_t + row] = (m[i] + log2f(lt)) * kF32Ln2;
         }
     }
 }
@@ -134,172 +355,220 @@ __global__ void __launch_bounds__(256) attention_bwd_delta(const T* __restrict__
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv(
+__global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
     int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
-    constexpr int BK = AttnShape<D>::bwd_k;
-    constexpr int KPW = BK / kAttnWarps;
-    constexpr int DL = D / 32;
-    __shared__ float Kb[BK][D];
-    __shared__ float Vb[BK][D];
-    __shared__ float Qs[32][D + 1];
-    __shared__ float Gs[32][D + 1];
-    __shared__ float Ls[32];
-    __shared__ float Ds[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), obase = head_offset(blockIdx.y, n_h, o_sb, o_sh);
-    const long long gbase = head_offset(blockIdx.y, n_h, g_sb, g_sh), rbase = (long long)blockIdx.y * n_t;
+    using S = F32Shape<D>;
+    constexpr int TM = S::TM, TN = S::TN, TE = S::TE, BN = S::BN, BK = S::WM;
+    constexpr int LDQ = D + 4, LDP = BK + 4;
+    __shared__ __align__(16) float Kt[D * BK];    // this block's keys, [d][key]
+    __shared__ __align__(16) float Vt[D * BK];    // and values, [d][key]
+    __shared__ __align__(16) float Qs[BN * LDQ];  // query tile, [query][d]
+    __shared__ __align__(16) float Gs[BN * LDQ];  // its output gradients, [query][d]
+    __shared__ __align__(16) float Ps[BN * LDP];  // Pᵀ, [query][key]
+    __shared__ __align__(16) float Ss[BN * LDP];  // dSᵀ, [query][key]
+    __shared__ __align__(16) float Ls[BN];
+    __shared__ __align__(16) float Ds[BN];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mg = f32_mg(lane), ng = f32_ng(lane);
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), rbase = (long long)blockIdx.y * n_t;
+    const float* qb = q + base;
+    const float* gb = grad + head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    const int ld = (int)in_st, ldo = (int)o_st;
     const int k0 = blockIdx.x * BK;  // the first keys see the most queries: they launch first
-    for (int i = threadIdx.x; i < BK * D; i += kAttnThreads) {
-        const int r = i / D, d = i % D, key = k0 + r;
-        const bool ok = key < n_t;
-        Kb[r][d] = ok ? to_float(k[base + key * in_st + d]) : 0.0f;
-        Vb[r][d] = ok ? to_float(v[base + key * in_st + d]) : 0.0f;
-    }
-    float adk[KPW][DL], adv[KPW][DL];
+    const int kl = mg * TM;          // this thread's first key in the block
+    const int q_begin = (k0 / BN) * BN;
+    const int n_tiles = (n_t - q_begin + BN - 1) / BN;
+    const float sl2 = scale * kF32Log2e;  // exponentials in log2 units
+    f32_rows_async<BN, D, LDQ>(Qs, qb, ld, q_begin, n_t);
+    f32_rows_async<BN, D, LDQ>(Gs, gb, ldo, q_begin, n_t);
+    f32_vec_async<BN>(Ls, lse + rbase, q_begin, n_t);
+    f32_vec_async<BN>(Ds, delta + rbase, q_begin, n_t);
+    cp_async_commit();
+    f32_load_t<BK, D>(Kt, k + base, ld, k0, n_t, 1.0f);
+    f32_load_t<BK, D>(Vt, v + base, ld, k0, n_t, 1.0f);
+    // Warp 0: Sᵀ = K·Qᵀ -> Pᵀ, then dV += Pᵀ·dO. Warp 1: dPᵀ = V·dOᵀ -> dSᵀ, then dK += dSᵀ·Q.
+    const float* a1 = (warp ? Vt : Kt) + kl;
+    const float* b1 = (warp ? Gs : Qs) + ng * LDQ;
+    const float* a2 = (warp ? Ss : Ps) + kl;
+    const float* b2 = (warp ? Qs : Gs) + ng * 4;
+    float acc[TM][TE];
+    f32_zero(acc);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int i0 = q_begin + it * BN;
+        cp_async_wait_all();
+        __syncthreads();  // the query tile has landed for everyone (and Kt, Vt at it = 0)
+        float s[TM][TN];
+        f32_zero(s);
+        f32_mma_abt<TM, TN, D, BK, LDQ>(s, a1, b1);
+        if (warp == 0) {
+            // Masks only where some query precedes some key of the block, or past n_t.
+            const bool edge = i0 < k0 + BK - 1 || i0 + BN > n_t;
 #pragma unroll
-    for (int kk = 0; kk < KPW; ++kk)
+            for (int j = 0; j < TN; ++j) {
+                const int qi = ng + 8 * j, query = i0 + qi;
+                const float lq = Ls[qi] * kF32Log2e;
 #pragma unroll
-        for (int c = 0; c < DL; ++c) adk[kk][c] = adv[kk][c] = 0.0f;
-    const int tiles = (n_t + 31) / 32;
-    for (int t = k0 / 32; t < tiles; ++t) {
-        const int i0 = t * 32;
-        __syncthreads();
-        for (int i = threadIdx.x; i < 32 * D; i += kAttnThreads) {
-            const int j = i / D, d = i % D, row = i0 + j;
-            const bool ok = row < n_t;
-            Qs[j][d] = ok ? to_float(q[base + row * in_st + d]) : 0.0f;
-            Gs[j][d] = ok ? to_float(grad[obase + row * o_st + d]) : 0.0f;
-        }
-        if (threadIdx.x < 32) {
-            const int row = i0 + threadIdx.x;
-            Ls[threadIdx.x] = row < n_t ? lse[rbase + row] : 0.0f;
-            Ds[threadIdx.x] = row < n_t ? delta[rbase + row] : 0.0f;
-        }
-        __syncthreads();
-        float s[KPW], dp[KPW];
+                for (int i = 0; i < TM; ++i) {
+                    const float p = exp2f(s[i][j] * sl2 - lq);
+                    s[i][j] = (!edge || (k0 + kl + i <= query && query < n_t)) ? p : 0.0f;
+                }
 #pragma unroll
-        for (int kk = 0; kk < KPW; ++kk) s[kk] = dp[kk] = 0.0f;
-#pragma unroll 8
-        for (int d = 0; d < D; ++d) {
-            const float qd = Qs[lane][d], gd = Gs[lane][d];
-#pragma unroll
-            for (int kk = 0; kk < KPW; ++kk) {
-                s[kk] += qd * Kb[warp * KPW + kk][d];
-                dp[kk] += gd * Vb[warp * KPW + kk][d];
+                for (int i = 0; i < TM; i += 4)
+                    sts4(Ps + qi * LDP + kl + i, make_float4(s[i][j], s[i + 1][j], s[i + 2][j], s[i + 3][j]));
             }
         }
-        const int row = i0 + lane;
+        __syncthreads();  // Pᵀ is written
+        if (warp == 1) {
 #pragma unroll
-        for (int kk = 0; kk < KPW; ++kk) {
-            const int key = k0 + warp * KPW + kk;
-            const bool valid = row < n_t && key <= row;
-            const float p = valid ? expf(s[kk] * scale - Ls[lane]) : 0.0f;
-            const float ds = p * (dp[kk] - Ds[lane]);
-#pragma unroll 4
-            for (int j = 0; j < 32; ++j) {
-                const float pj = __shfl_sync(0xffffffffu, p, j);
-                const float dsj = __shfl_sync(0xffffffffu, ds, j);
+            for (int j = 0; j < TN; ++j) {
+                const int qi = ng + 8 * j;
+                const float dq = Ds[qi];
 #pragma unroll
-                for (int c = 0; c < DL; ++c) {
-                    adv[kk][c] += pj * Gs[j][lane + 32 * c];
-                    adk[kk][c] += dsj * Qs[j][lane + 32 * c];
+                for (int i = 0; i < TM; i += 4) {
+                    const float4 p = lds4(Ps + qi * LDP + kl + i);
+                    sts4(Ss + qi * LDP + kl + i, make_float4(p.x * (s[i][j] - dq), p.y * (s[i + 1][j] - dq),
+                                                             p.z * (s[i + 2][j] - dq), p.w * (s[i + 3][j] - dq)));
                 }
             }
+            __syncwarp();  // dSᵀ is written (only this warp reads it)
+        }
+        f32_mma_ab<TM, TE, BN, LDP, LDQ>(acc, a2, b2);
+        __syncthreads();  // everyone is done with this query tile
+        if (it + 1 < n_tiles) {
+            const int i1 = i0 + BN;
+            f32_rows_async<BN, D, LDQ>(Qs, qb, ld, i1, n_t);
+            f32_rows_async<BN, D, LDQ>(Gs, gb, ldo, i1, n_t);
+            f32_vec_async<BN>(Ls, lse + rbase, i1, n_t);
+            f32_vec_async<BN>(Ds, delta + rbase, i1, n_t);
+            cp_async_commit();
         }
     }
+    T* dst = (warp ? dk : dv) + head_offset(blockIdx.y, n_h, g_sb, g_sh);
+    const float mul = warp ? scale : 1.0f;
+    const int ldg = (int)g_st;
 #pragma unroll
-    for (int kk = 0; kk < KPW; ++kk) {
-        const int key = k0 + warp * KPW + kk;
-        if (key < n_t) {
-#pragma unroll
-            for (int c = 0; c < DL; ++c) {
-                const long long e = gbase + key * g_st + lane + 32 * c;
-                dk[e] = from_float<T>(adk[kk][c] * scale);
-                dv[e] = from_float<T>(adv[kk][c]);
-            }
-        }
+    for (int i = 0; i < TM; ++i) {
+        const int key = k0 + kl + i;
+        if (key < n_t) f32_store_row<TE>(dst + (key * ldg + ng * 4), acc[i], mul);
     }
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
+__global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, int n_h, float scale,
     KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
-    constexpr int BQ = AttnShape<D>::bwd_q;
-    constexpr int RPW = BQ / kAttnWarps;
-    constexpr int DL = D / 32;
-    __shared__ float Qb[BQ][D];
-    __shared__ float Gb[BQ][D];
-    __shared__ float Ks[32][D + 1];
-    __shared__ float Vs[32][D + 1];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), obase = head_offset(blockIdx.y, n_h, o_sb, o_sh);
-    const long long gbase = head_offset(blockIdx.y, n_h, g_sb, g_sh), rbase = (long long)blockIdx.y * n_t;
+    using S = F32Shape<D>;
+    constexpr int TM = S::TM, TN = S::TN, TE = S::TE, BN = S::BN, BQ = S::WM, HN = BN / 2;
+    constexpr int LDK = D + 4, LDP = BQ + 4;
+    __shared__ __align__(16) float Qt[D * BQ];    // this block's queries, [d][row]
+    __shared__ __align__(16) float Gt[D * BQ];    // and output gradients, [d][row]
+    __shared__ __align__(16) float Ks[BN * LDK];  // key tile, [key][d]
+    __shared__ __align__(16) float Vs[BN * LDK];  // value tile, [key][d]
+    __shared__ __align__(16) float Ps[BN * LDP];  // P, [key][row]
+    __shared__ __align__(16) float Ss[BN * LDP];  // dS, [key][row]
+    static_assert(BQ * D <= BN * LDK, "the partial dQ of warp 1 goes through Ks");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mg = f32_mg(lane), ng = f32_ng(lane);
+    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), rbase = (long long)blockIdx.y * n_t;
+    const float* kb = k + base;
+    const float* vb = v + base;
+    const int ld = (int)in_st;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
-    for (int i = threadIdx.x; i < BQ * D; i += kAttnThreads) {
-        const int r = i / D, d = i % D, row = q0 + r;
-        const bool ok = row < n_t;
-        Qb[r][d] = ok ? to_float(q[base + row * in_st + d]) : 0.0f;
-        Gb[r][d] = ok ? to_float(grad[obase + row * o_st + d]) : 0.0f;
-    }
-    float lr[RPW], dr[RPW], acc[RPW][DL];
+    const int rl = mg * TM;                             // this thread's first row in the block
+    const int row0 = q0 + rl;
+    const int n_tiles = (min(q0 + BQ, n_t) - 1) / BN + 1;
+    f32_rows_async<BN, D, LDK>(Ks, kb, ld, 0, n_t);
+    f32_rows_async<BN, D, LDK>(Vs, vb, ld, 0, n_t);
+    cp_async_commit();
+    f32_load_t<BQ, D>(Qt, q + base, ld, q0, n_t, 1.0f);
+    f32_load_t<BQ, D>(Gt, grad + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, q0, n_t, 1.0f);
+    // Warp 0: S = Q·Kᵀ -> P (needs lse). Warp 1: dP = dO·Vᵀ -> dS = P∘(dP - delta) (needs delta).
+    const float* rvec = warp ? delta : lse;
+    float rv[TM];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const int row = q0 + warp * RPW + r;
-        lr[r] = row < n_t ? lse[rbase + row] : 0.0f;
-        dr[r] = row < n_t ? delta[rbase + row] : 0.0f;
+    for (int i = 0; i < TM; ++i) rv[i] = row0 + i < n_t ? rvec[rbase + row0 + i] : 0.0f;
+    const float sl2 = scale * kF32Log2e;  // exponentials in log2 units: warp 0 takes lse log2 e
+    float lr[TM];
 #pragma unroll
-        for (int c = 0; c < DL; ++c) acc[r][c] = 0.0f;
-    }
-    const int q_last = min(q0 + BQ, n_t) - 1;
-    const int tiles = q_last / 32 + 1;
-    for (int t = 0; t < tiles; ++t) {
-        const int k0 = t * 32;
-        __syncthreads();
-        for (int i = threadIdx.x; i < 32 * D; i += kAttnThreads) {
-            const int j = i / D, d = i % D, key = k0 + j;
-            const bool ok = key < n_t;
-            Ks[j][d] = ok ? to_float(k[base + key * in_st + d]) : 0.0f;
-            Vs[j][d] = ok ? to_float(v[base + key * in_st + d]) : 0.0f;
-        }
-        __syncthreads();
-        float s[RPW], dp[RPW];
+    for (int i = 0; i < TM; ++i) lr[i] = rv[i] * kF32Log2e;
+    const float* a1 = (warp ? Gt : Qt) + rl;
+    const float* b1 = (warp ? Vs : Ks) + ng * LDK;
+    float acc[TM][TE];
+    f32_zero(acc);
+    for (int t = 0; t < n_tiles; ++t) {
+        const int k0 = t * BN;
+        cp_async_wait_all();
+        __syncthreads();  // the key/value tile has landed for everyone (and Qt, Gt at t = 0)
+        float s[TM][TN];
+        f32_zero(s);
+        f32_mma_abt<TM, TN, D, BQ, LDK>(s, a1, b1);
+        if (warp == 0) {
+            const bool diag = k0 + BN - 1 > q0;  // keys past n_t only occur in such a tile
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0.0f;
-#pragma unroll 8
-        for (int d = 0; d < D; ++d) {
-            const float kd = Ks[lane][d], vd = Vs[lane][d];
+            for (int j = 0; j < TN; ++j) {
+                const int key = k0 + ng + 8 * j;
 #pragma unroll
-            for (int r = 0; r < RPW; ++r) {
-                s[r] += Qb[warp * RPW + r][d] * kd;
-                dp[r] += Gb[warp * RPW + r][d] * vd;
+                for (int i = 0; i < TM; ++i) {
+                    const float p = exp2f(s[i][j] * sl2 - lr[i]);
+                    s[i][j] = (!diag || key <= row0 + i) ? p : 0.0f;
+                }
+#pragma unroll
+                for (int i = 0; i < TM; i += 4)
+                    sts4(Ps + (ng + 8 * j) * LDP + rl + i, make_float4(s[i][j], s[i + 1][j], s[i + 2][j], s[i + 3][j]));
             }
         }
-        const int key = k0 + lane;
+        __syncthreads();  // P is written; everyone is done with Vs
+        if (t + 1 < n_tiles) {
+            f32_rows_async<BN, D, LDK>(Vs, vb, ld, k0 + BN, n_t);
+            cp_async_commit();
+        }
+        if (warp == 1) {
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            const int row = q0 + warp * RPW + r;
-            const bool valid = row < n_t && key <= row;
-            const float p = valid ? expf(s[r] * scale - lr[r]) : 0.0f;
-            const float ds = p * (dp[r] - dr[r]);
-#pragma unroll 4
-            for (int j = 0; j < 32; ++j) {
-                const float dsj = __shfl_sync(0xffffffffu, ds, j);
+            for (int j = 0; j < TN; ++j) {
+                const int kj = ng + 8 * j;
 #pragma unroll
-                for (int c = 0; c < DL; ++c) acc[r][c] += dsj * Ks[j][lane + 32 * c];
+                for (int i = 0; i < TM; i += 4) {
+                    const float4 p = lds4(Ps + kj * LDP + rl + i);
+                    sts4(Ss + kj * LDP + rl + i,
+                         make_float4(p.x * (s[i][j] - rv[i]), p.y * (s[i + 1][j] - rv[i + 1]),
+                                     p.z * (s[i + 2][j] - rv[i + 2]), p.w * (s[i + 3][j] - rv[i + 3])));
+                }
             }
         }
+        __syncthreads();  // dS is written
+        // Warp w sums the keys [w HN, (w + 1) HN) of the tile.
+        f32_mma_ab<TM, TE, HN, LDP, LDK>(acc, Ss + warp * HN * LDP + rl, Ks + warp * HN * LDK + ng * 4);
+        __syncthreads();  // everyone is done with Ks and dS
+        if (t + 1 < n_tiles) {
+            f32_rows_async<BN, D, LDK>(Ks, kb, ld, k0 + BN, n_t);
+            cp_async_commit();
+        }
     }
+    // dQ = (warp 0's part + warp 1's part) * scale, in that order; warp 1's goes through Ks.
+    float* part = Ks + rl * D + ng * 4;
+    if (warp == 1) {
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const int row = q0 + warp * RPW + r;
-        if (row < n_t) {
+        for (int i = 0; i < TM; ++i)
 #pragma unroll
-            for (int c = 0; c < DL; ++c)
-                dq[gbase + row * g_st + lane + 32 * c] = from_float<T>(acc[r][c] * scale);
+            for (int e = 0; e < TE; e += 4)
+                sts4(part + i * D + 8 * e, make_float4(acc[i][e], acc[i][e + 1], acc[i][e + 2], acc[i][e + 3]));
+    }
+    __syncthreads();
+    if (warp == 0) {
+        T* db = dq + head_offset(blockIdx.y, n_h, g_sb, g_sh);
+        const int ldg = (int)g_st;
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+#pragma unroll
+            for (int e = 0; e < TE; e += 4) {
+                const float4 x = lds4(part + i * D + 8 * e);
+                acc[i][e] += x.x;
+                acc[i][e + 1] += x.y;
+                acc[i][e + 2] += x.z;
+                acc[i][e + 3] += x.w;
+            }
+            if (row0 + i < n_t) f32_store_row<TE>(db + ((row0 + i) * ldg + ng * 4), acc[i], scale);
         }
     }
 }
@@ -321,8 +590,6 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq(
 // computed, so the block does not idle on global latency. Row strides are padded by 8
 // elements (16 bytes), which keeps both ldmatrix forms free of bank conflicts.
 // Scores are kept in log2 units (scale·log2 e folded in) so each exponential is one exp2f.
-
-using u32 = unsigned int;  // NVRTC has no <cstdint>
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -358,23 +625,6 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const u32 (&a)[4
 template <typename T> __device__ __forceinline__ u32 ld32(const T* p) {
     return *reinterpret_cast<const u32*>(p);
 }
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-// Global -> shared without a trip through registers; zero-filled when !ok (src stays a valid
-// address then, the caller clamps it).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
