@@ -102,6 +102,17 @@ def bench_layer_norm(k, iters):
                         lambda: torch.ops.aten.native_layer_norm_backward(tg, tx, [c], tmean, trstd, tw, tb,
                                                                           [True, True, True]),
                         iters, nbytes=3 * n * c * item))
+        # the residual add fused with the LayerNorm after it, against torch's add then layer_norm
+        y, ds = k.rng_normal(gen, (n, c), dtype), k.rng_normal(gen, (n, c), dtype)
+        s, _, smean, srstd = k.add_layer_norm_fwd(x, y, w, b, 1e-5)
+        ty, tds = torch.randn_like(tx), torch.randn_like(tx)
+        out.append(_row("layer_norm", "add+fwd", dtype, (n, c), lambda: k.add_layer_norm_fwd(x, y, w, b, 1e-5),
+                        lambda: F.layer_norm(tx + ty, [c], tw, tb, 1e-5), iters, nbytes=4 * n * c * item))
+        out.append(_row("layer_norm", "bwd+ds", dtype, (n, c),
+                        lambda: k.add_layer_norm_bwd(ds, g, s, w, smean, srstd, True, True),
+                        lambda: torch.ops.aten.native_layer_norm_backward(tg, tx, [c], tmean, trstd, tw, tb,
+                                                                          [True, True, True])[0] + tds,
+                        iters, nbytes=4 * n * c * item))
     return out
 
 

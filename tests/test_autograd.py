@@ -120,3 +120,34 @@ def test_leaves_never_share_a_gradient_array():
     a.grad.data[...] = 0
     assert np.array_equal(b.grad.numpy(), [2.0, 2.0, 2.0])
     assert np.array_equal(w.grad.numpy(), np.full((2, 3), 16.0))
+
+
+@pytest.mark.parametrize("materialize", [True, False])
+def test_a_missing_output_gradient_is_zeros_or_none(materialize):
+    """A multi-output Function gets zeros for an output no gradient reached, or None when it sets
+    materialize_grads = False (as add_layer_norm does: no zero array to allocate and read)."""
+    from kiln.autograd import Function
+    seen = []
+
+    class TwoOut(Function):
+        materialize_grads = materialize
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.data * 2, x.data * 3
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            seen.append((ga, gb))
+            return (0 if ga is None else 2 * ga) + (0 if gb is None else 3 * gb)
+
+    x = kiln.tensor(np.ones(3), requires_grad=True)
+    _, b = TwoOut.apply(x)
+    b.sum().backward()
+    ga, gb = seen[0]
+    np.testing.assert_array_equal(gb, np.ones(3))
+    if materialize:
+        np.testing.assert_array_equal(ga, np.zeros(3))
+    else:
+        assert ga is None
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(3, 3.0))

@@ -154,6 +154,82 @@ def test_layer_norm_backward_is_deterministic(gpu, rng):
         assert np.array_equal(a, b)
 
 
+# --- residual add + LayerNorm -------------------------------------------------------------
+
+# 256 ... 1024: the register kernels forward and backward (the backward stages ds in shared
+# memory by cp.async); 1536 ... 3072: the register forward only; 4096: the generic forward
+# (add_layer_norm_fwd_reg stops at 3072) and backward; 100, 5000: generic. 3000 rows of 768:
+# more rows than the backward's 256 blocks x 8 warps, so warps loop over rows (and reuse
+# their shared-memory slot of ds).
+ALN_SHAPES = [(5, 768), (11, 256), (13, 512), (37, 100), (64, 1024), (9, 2048), (33, 1536), (6, 3072),
+              (3, 5000), (7, 4096), (3000, 768), pytest.param((16384, 768), marks=pytest.mark.slow)]
+
+
+def _add_layer_norm_case(gpu, rng, shape, dtype, affine, with_ds, x_dev=None, y_dev=None):
+    n, c = shape
+    x = rand(shape, dtype, rng, 2.0) + np.asarray(0.5, dtype)
+    y = rand(shape, dtype, rng)
+    w = rand((c,), dtype, rng) if affine != "none" else None
+    b = rand((c,), dtype, rng) if affine == "weight_bias" else None
+    gs = rand(shape, dtype, rng) if with_ds else None
+    gh = rand(shape, dtype, rng)
+    eps = 1e-5
+    xd = gpu.asarray(x) if x_dev is None else x_dev(x)
+    yd = gpu.asarray(y) if y_dev is None else y_dev(y)
+    s, h, mean, rstd = gpu.add_layer_norm_fwd(xd, yd, None if w is None else gpu.asarray(w),
+                                              None if b is None else gpu.asarray(b), eps)
+    # s is x + y in fp32 rounded once to the dtype, bit for bit what the `add` kernel stores
+    s_ref = (x.astype(np.float32) + y.astype(np.float32)).astype(dtype)
+    assert np.array_equal(gpu.to_numpy(s), s_ref)
+    ry, rmean, rrstd = cpu.layer_norm_fwd(f64(s_ref), f64(w), f64(b), eps)
+    close(gpu, h, ry, dtype)
+    close(gpu, mean, rmean, np.float32, factor=10)
+    close(gpu, rstd, rrstd, np.float32, factor=10)
+    need_dw, need_db = w is not None, b is not None
+    dx, dw, db = gpu.add_layer_norm_bwd(None if gs is None else gpu.asarray(gs), gpu.asarray(gh), s,
+                                        None if w is None else gpu.asarray(w), mean, rstd, need_dw, need_db)
+    rdx, rdw, rdb = cpu.add_layer_norm_bwd(f64(gs), f64(gh), f64(s_ref), f64(w), rmean, rrstd, need_dw, need_db)
+    factor = 10 if dtype == np.float32 else 1
+    close(gpu, dx, rdx, dtype, factor=factor)
+    if need_dw:
+        close(gpu, dw, rdw, dtype, factor=factor)
+    else:
+        assert dw is None
+    if need_db:
+        close(gpu, db, rdb, dtype, factor=factor)
+    else:
+        assert db is None
+
+
+@pytest.mark.parametrize("shape", ALN_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("affine", ["weight_bias", "weight_only", "none"])
+@pytest.mark.parametrize("with_ds", [True, False], ids=["ds", "no_ds"])
+def test_add_layer_norm(gpu, rng, shape, dtype, affine, with_ds):
+    _add_layer_norm_case(gpu, rng, shape, dtype, affine, with_ds)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_add_layer_norm_unaligned_views(gpu, rng, dtype):
+    """Rows that start 2 elements past a 16-byte boundary take the generic kernels."""
+    def unaligned(a):
+        flat = gpu.asarray(np.concatenate([np.zeros(2, a.dtype), a.ravel()]))
+        return flat[2:].reshape(a.shape)
+    _add_layer_norm_case(gpu, rng, (19, 768), dtype, "weight_bias", True, x_dev=unaligned)
+    _add_layer_norm_case(gpu, rng, (19, 768), dtype, "weight_bias", True, y_dev=unaligned)
+
+
+def test_add_layer_norm_backward_is_deterministic(gpu, rng):
+    x, y = rand((4096, 768), np.float32, rng), rand((4096, 768), np.float32, rng)
+    gs, gh, w = rand((4096, 768), np.float32, rng), rand((4096, 768), np.float32, rng), rand((768,), np.float32, rng)
+    wd, gsd, ghd = gpu.asarray(w), gpu.asarray(gs), gpu.asarray(gh)
+    s, _, mean, rstd = gpu.add_layer_norm_fwd(gpu.asarray(x), gpu.asarray(y), wd, wd, 1e-5)
+    first = [gpu.to_numpy(a) for a in gpu.add_layer_norm_bwd(gsd, ghd, s, wd, mean, rstd, True, True)]
+    again = [gpu.to_numpy(a) for a in gpu.add_layer_norm_bwd(gsd, ghd, s, wd, mean, rstd, True, True)]
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+
+
 # --- softmax ------------------------------------------------------------------------------
 
 SM_SHAPES = [(4, 10), (3, 5, 1000), (2, 1023), (8, 1024), pytest.param((64, 50304), marks=pytest.mark.slow)]

@@ -83,3 +83,20 @@ def test_bf16_compute_over_fp32_weights_tracks_fp32():
     for p, g in zip(model.parameters(), ref_grads):
         assert p.grad.dtype is kiln.float32
         assert np.linalg.norm(p.grad.numpy() - g) <= 0.1 * np.linalg.norm(g) + 1e-6
+
+
+def test_blocks_alone_give_the_fused_gpt_forward():
+    """GPT.forward fuses each residual add with the LayerNorm after it (Block(x, h, next_ln));
+    block(x) alone is the plain pre-norm block, and chaining those gives the same logits."""
+    from kiln.nn import functional as F
+    model = GPT(preset("tiny", n_layer=3, n_embd=32, block_size=8), generator=kiln.Generator(3)).to(dtype="float64")
+    idx = kiln.tensor(np.random.default_rng(0).integers(0, 256, (2, 8)))
+    logits, _ = model(idx)
+    x = model.wte(idx) + model.wpe(kiln.arange(8))
+    for b in model.h:
+        alone = b(x)
+        x = x + b.attn(b.ln_1(x))
+        x = x + b.mlp(b.ln_2(x))
+        np.testing.assert_array_equal(alone.numpy(), x.numpy())
+    ref = F.linear(model.ln_f(x), model.wte.weight)
+    np.testing.assert_array_equal(logits.numpy(), ref.numpy())

@@ -1,4 +1,4 @@
-"""embedding, layer_norm, gelu, softmax, log_softmax, cross_entropy, attention, dropout:
+"""embedding, layer_norm, add_layer_norm, gelu, softmax, log_softmax, cross_entropy, attention, dropout:
 finite differences in float64 and PyTorch CPU as the reference."""
 
 import numpy as np
@@ -35,6 +35,82 @@ def test_layer_norm(bias):
     ref = TF.layer_norm(torch.tensor(x), (6,), torch.tensor(w), torch.tensor(b) if bias else None, 1e-5)
     assert rel(F.layer_norm(*[kiln.tensor(a) for a in args]).numpy(), ref.numpy()) < 1e-13
     gradcheck(lambda *t: F.layer_norm(*t), *args)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_add_layer_norm_matches_pytorch_and_finite_differences(bias):
+    x, y, w, b = randn(2, 3, 6) * 3 + 1, randn(2, 3, 6), randn(6), randn(6)
+    args = (x, y, w, b) if bias else (x, y, w)
+    tx, ty = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+    tw, tb = torch.tensor(w, requires_grad=True), torch.tensor(b, requires_grad=True)
+    ts = tx + ty
+    th = TF.layer_norm(ts, (6,), tw, tb if bias else None, 1e-5)
+    kt = [kiln.tensor(a, requires_grad=True) for a in args]
+    s, h = F.add_layer_norm(*kt)
+    assert rel(s.numpy(), ts.detach().numpy()) < 1e-15
+    assert rel(h.numpy(), th.detach().numpy()) < 1e-13
+    gs, gh = randn(2, 3, 6), randn(2, 3, 6)
+    ((s * kiln.tensor(gs)).sum() + (h * kiln.tensor(gh)).sum()).backward()
+    ((ts * torch.tensor(gs)).sum() + (th * torch.tensor(gh)).sum()).backward()
+    for k, t in zip(kt, (tx, ty, tw, tb)):
+        assert rel(k.grad.numpy(), t.grad.numpy()) < 1e-12
+    # both outputs, weighted independently (the gradient of s and of h each reach x and y)
+    c = randn(2, 3, 6)
+    gradcheck(lambda *t: F.add_layer_norm(*t)[0] * kiln.tensor(c) + F.add_layer_norm(*t)[1], *args)
+    # only h used: s's gradient is missing (the last block of a GPT, fused with ln_f)
+    gradcheck(lambda *t: F.add_layer_norm(*t)[1], *args)
+
+
+def test_add_layer_norm_with_only_the_sum_used_passes_its_gradient_through():
+    x, y, w, b = (kiln.tensor(a, requires_grad=True) for a in (randn(4, 5), randn(4, 5), randn(5), randn(5)))
+    s, _ = F.add_layer_norm(x, y, w, b)
+    g = randn(4, 5)
+    (s * kiln.tensor(g)).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), g)
+    np.testing.assert_array_equal(y.grad.numpy(), g)
+    assert not np.shares_memory(x.grad.numpy(), y.grad.numpy())
+    assert w.grad is None and b.grad is None  # as with x + y and an unused layer_norm in PyTorch
+
+
+def test_add_layer_norm_of_one_tensor_twice_and_of_a_non_leaf():
+    x, w, b = randn(3, 8), randn(8), randn(8)
+    gradcheck(lambda a, wt, bt: F.add_layer_norm(a, a, wt, bt)[1], x, w, b)
+    gradcheck(lambda a, wt, bt: sum(F.add_layer_norm(a * 2.0, a.tanh(), wt, bt)), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_layer_norm_is_the_add_then_layer_norm(dtype):
+    """The fused forward stores exactly what x + y then layer_norm store (s rounded to the dtype
+    before it is normalised); the backward adds ds before rounding dx once, so it is at least as
+    close to float64 as the unfused pair."""
+    rng = np.random.default_rng()
+    x, y, gs, gh = (kiln.tensor(rng.standard_normal((6, 64)), dtype=dtype) for _ in range(4))
+    w, b = kiln.tensor(rng.standard_normal(64), dtype=dtype), kiln.tensor(rng.standard_normal(64), dtype=dtype)
+    ref = []
+    for fused in (True, False):
+        ts = [t.detach().requires_grad_() for t in (x, y, w, b)]
+        if fused:
+            s, h = F.add_layer_norm(*ts)
+        else:
+            s = ts[0] + ts[1]
+            h = F.layer_norm(s, ts[2], ts[3])
+        ((s * gs).to(kiln.float32).sum() + (h * gh).to(kiln.float32).sum()).backward()
+        ref.append([s.numpy(), h.numpy()] + [t.grad.numpy() for t in ts])
+    np.testing.assert_array_equal(ref[0][0], ref[1][0])
+    np.testing.assert_array_equal(ref[0][1], ref[1][1])
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for a, b in zip(ref[0][2:], ref[1][2:]):
+        assert rel(a, b.astype(np.float64)) < tol
+
+
+def test_add_layer_norm_checks_its_inputs():
+    x, w = kiln.randn(2, 4), kiln.randn(4)
+    with pytest.raises(ShapeError, match="one shape"):
+        F.add_layer_norm(x, kiln.randn(4), w)
+    with pytest.raises(DTypeError, match="dtype mismatch"):
+        F.add_layer_norm(x, kiln.randn(2, 4).to(kiln.bfloat16), w)
+    with pytest.raises(ShapeError, match="weight and bias of shape"):
+        F.add_layer_norm(x, x, kiln.randn(3))
 
 
 def test_gelu_is_the_tanh_form():

@@ -85,6 +85,9 @@ class Function:
     __slots__ = ("next_edges", "needs_input_grad", "_saved", "seq", "num_outputs", "freed", "__dict__")
     is_view = False  # True for ops whose outputs alias their first input (they share its version)
     fresh_grads = False  # True when backward returns new arrays only, none aliasing another or g
+    # False: an output of a multi-output op that no gradient reached comes to backward as None
+    # (as PyTorch's ctx.set_materialize_grads(False)); True: as zeros of the output's shape.
+    materialize_grads = True
 
     @staticmethod
     def forward(ctx, *args, **kwargs):  # pragma: no cover - abstract
@@ -251,7 +254,7 @@ def _run_node(node, grads):
         raise AutogradError(
             f"backward through {type(node).__name__} a second time: the graph was freed by the "
             "first backward; pass retain_graph=True to the first backward to keep it")
-    if any(g is None for g in grads):
+    if type(node).materialize_grads and any(g is None for g in grads):
         return _run_with_missing(node, grads)
     out = node.backward(node, *grads)
     return out if isinstance(out, tuple) else (out,)

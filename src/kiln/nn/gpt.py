@@ -100,9 +100,19 @@ class Block(Module):
         self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg, generator)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x, h=None, next_ln=None):
+        """x + attn(ln_1(x)), then + mlp(ln_2(.)): block(x) alone returns the new residual stream.
+
+        Each residual add is one op with the LayerNorm that follows it (F.add_layer_norm): h is
+        ln_1(x) when the caller has it (the previous block's last add made it), and with next_ln
+        (the next block's ln_1, or the model's ln_f) the block returns (x', next_ln(x'))."""
+        if h is None:
+            h = self.ln_1(x)
+        x, h = self.ln_2.add_forward(x, self.attn(h))
+        m = self.mlp(h)
+        if next_ln is None:
+            return x + m
+        return next_ln.add_forward(x, m)
 
 
 class GPT(Module):
@@ -131,9 +141,13 @@ class GPT(Module):
         if self.compute_dtype is not None and x.dtype is not self.compute_dtype:
             x = x.to(self.compute_dtype)
         x = self.drop(x)
-        for block in self.h:
-            x = block(x)
-        x = self.ln_f(x)
+        # The residual stream x goes from block to block with h, its LayerNorm for the next
+        # sublayer; the last block's add is fused with ln_f (its sum is not used: no gradient).
+        blocks = list(self.h)
+        h = None
+        for i, block in enumerate(blocks):
+            x, h = block(x, h, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f)
+        x = h
         head = self.wte.weight if self.config.tie_weights else self.lm_head.weight
         logits = F.linear(x, as_dtype_of(head, x))
         loss = None if targets is None else F.cross_entropy(logits, targets)

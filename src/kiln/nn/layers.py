@@ -57,6 +57,10 @@ class LayerNorm(Module):
     def forward(self, x):
         return F.layer_norm(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x), self.eps)
 
+    def add_forward(self, x, y):
+        """(x + y, self(x + y)) in one op (F.add_layer_norm): a residual add and this LayerNorm."""
+        return F.add_layer_norm(x, y, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x), self.eps)
+
 
 class GELU(Module):
     def forward(self, x):

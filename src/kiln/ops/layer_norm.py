@@ -1,9 +1,11 @@
-"""Layer normalisation over the last axis, with affine weight and bias."""
+"""Layer normalisation over the last axis, with affine weight and bias; and the residual add
+fused with the LayerNorm that follows it (add_layer_norm)."""
 
 from __future__ import annotations
 
 from kiln.autograd import Function
-from kiln.errors import ShapeError
+from kiln.errors import DTypeError, ShapeError
+from kiln.ops.elementwise import Fresh
 
 
 class LayerNorm(Function):
@@ -30,12 +32,65 @@ class LayerNorm(Function):
         return (dx, dw, db) if has_bias else (dx, dw)
 
 
-def layer_norm(x, weight, bias=None, eps: float = 1e-5):
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (biased variance)."""
+class AddLayerNorm(Function):
+    """(s, h) = (x + y, layer_norm(x + y)): one kernel forward, one (plus the dweight/dbias finish)
+    backward. The gradient of s and the LayerNorm's input gradient are added inside the backward
+    kernel, and the result is the gradient of x and of y alike (one array for both: not fresh)."""
+
+    materialize_grads = False  # an unused s (the last block's) or h comes as None, not as zeros
+
+    @staticmethod
+    def forward(ctx, x, y, weight, bias, eps):
+        c = x.shape[-1]
+        s, h, mean, rstd = x.backend.add_layer_norm_fwd(x.data.reshape(-1, c), y.data.reshape(-1, c), weight.data,
+                                                        None if bias is None else bias.data, eps)
+        s = s.reshape(x.shape)
+        ctx.save_for_backward(Fresh(s), weight)  # s is an output: it shares the output's version
+        ctx.meta = (mean, rstd, x.backend, bias is not None)
+        return s, h.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds, dh):
+        s, w = ctx.saved
+        mean, rstd, backend, has_bias = ctx.meta
+        need = ctx.needs_input_grad
+        if dh is None:  # only the sum was used: its gradient passes to x and y as it is
+            dx, dw, db = ds, None, None
+        else:
+            c = s.shape[-1]
+            dx, dw, db = backend.add_layer_norm_bwd(None if ds is None else ds.reshape(-1, c), dh.reshape(-1, c),
+                                                    s.reshape(-1, c), w, mean, rstd, need[2], has_bias and need[3])
+            dx = dx.reshape(s.shape)
+        grads = (dx if need[0] else None, dx if need[1] else None, dw)
+        return grads + (db,) if has_bias else grads
+
+
+def _check_affine(op, x, weight, bias):
     c = x.shape[-1] if x.ndim else 0
     if weight.shape != (c,) or (bias is not None and bias.shape != (c,)):
-        raise ShapeError(f"layer_norm over the last axis of {x.shape} needs weight and bias of shape "
+        raise ShapeError(f"{op} over the last axis of {x.shape} needs weight and bias of shape "
                          f"({c},), got {weight.shape} and {None if bias is None else bias.shape}")
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (biased variance)."""
+    _check_affine("layer_norm", x, weight, bias)
     if bias is None:
         return LayerNorm.apply(x, weight, None, eps)
     return LayerNorm.apply(x, weight, bias, eps)
+
+
+def add_layer_norm(x, y, weight, bias=None, eps: float = 1e-5):
+    """(s, h) with s = x + y and h = layer_norm(s, weight, bias, eps), in one op.
+
+    A pre-norm transformer's residual add and the LayerNorm after it: s is the new residual
+    stream, h the next sublayer's input. x and y have one shape and one dtype (no broadcasting).
+    s is rounded to the dtype before it is normalised, exactly as `layer_norm(x + y)` does."""
+    if x.shape != y.shape:
+        raise ShapeError(f"add_layer_norm adds tensors of one shape, got {x.shape} and {y.shape}")
+    if x.dtype is not y.dtype:
+        raise DTypeError(f"add_layer_norm: dtype mismatch: {x.dtype} and {y.dtype}; convert one with .to() first")
+    _check_affine("add_layer_norm", x, weight, bias)
+    if bias is None:
+        return AddLayerNorm.apply(x, y, weight, None, eps)
+    return AddLayerNorm.apply(x, y, weight, bias, eps)

@@ -17,7 +17,8 @@ import time
 from collections import defaultdict
 
 KERNELS = ("matmul", "linear_fwd", "linear_bwd", "linear_gelu_fwd", "embedding_fwd", "embedding_bwd", "layer_norm_fwd",
-           "layer_norm_bwd", "gelu_fwd", "gelu_bwd", "softmax_fwd", "softmax_bwd", "log_softmax_fwd",
+           "layer_norm_bwd", "add_layer_norm_fwd", "add_layer_norm_bwd", "gelu_fwd", "gelu_bwd", "softmax_fwd",
+           "softmax_bwd", "log_softmax_fwd",
            "log_softmax_bwd", "cross_entropy_fwd", "cross_entropy_bwd", "attention_fwd", "attention_bwd",
            "dropout_fwd", "adamw_step", "grad_norm", "scale_", "scatter_add")
 

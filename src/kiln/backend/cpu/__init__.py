@@ -15,7 +15,7 @@ from kiln.backend.cpu.dropout import dropout_fwd
 from kiln.backend.cpu.elementwise import add, cast
 from kiln.backend.cpu.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cpu.gelu import gelu_bwd, gelu_fwd
-from kiln.backend.cpu.layer_norm import layer_norm_bwd, layer_norm_fwd
+from kiln.backend.cpu.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd
 from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
 from kiln.backend.cpu.softmax import log_softmax_bwd, log_softmax_fwd, softmax_bwd, softmax_fwd
 
@@ -25,6 +25,7 @@ name = "cpu"
 __all__ = [
     "add", "cast", "adamw_step", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
     "cross_entropy_fwd", "dropout_fwd", "embedding_bwd", "embedding_fwd", "gelu_bwd", "gelu_fwd",
+    "add_layer_norm_bwd", "add_layer_norm_fwd",
     "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "linear_gelu_fwd", "matmul", "log_softmax_bwd",
     "log_softmax_fwd", "softmax_bwd", "softmax_fwd",
 ]

@@ -1,4 +1,5 @@
-"""Layer normalisation over the last axis, forward and fused backward.
+"""Layer normalisation over the last axis, forward and fused backward, and the residual add
+fused with the LayerNorm that follows it (add_layer_norm_fwd / add_layer_norm_bwd).
 
 In-place passes and einsum row reductions: NumPy temporaries, not arithmetic, set the time.
 """
@@ -30,8 +31,8 @@ def layer_norm_fwd(x, weight, bias, eps):
     return y.astype(x.dtype, copy=False), mean[:, 0], rstd[:, 0]
 
 
-def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db):
-    """(dx, dweight, dbias), the whole backward in one pass over rows."""
+def _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db):
+    """(dx in the compute dtype, dweight, dbias): the LayerNorm backward before dx is rounded."""
     g = upcast(grad)
     xhat = upcast(x) - mean[:, None]
     xhat *= rstd[:, None]
@@ -46,4 +47,28 @@ def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db):
     xhat += gw
     xhat -= gw.sum(axis=-1, keepdims=True) / c
     xhat *= rstd[:, None]
-    return xhat.astype(x.dtype, copy=False), dw, db
+    return xhat, dw, db
+
+
+def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db):
+    """(dx, dweight, dbias), the whole backward in one pass over rows."""
+    dx, dw, db = _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db)
+    return dx.astype(x.dtype, copy=False), dw, db
+
+
+def add_layer_norm_fwd(x, y, weight, bias, eps):
+    """(s, h, mean, rstd) for s = x + y (rounded to x's dtype, as a separate add stores it) and
+    h = layer_norm(s) over the last axis of x[N, C] and y[N, C]."""
+    s = np.add(x, y)
+    h, mean, rstd = layer_norm_fwd(s, weight, bias, eps)
+    return s, h, mean, rstd
+
+
+def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db):
+    """(dx, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h), added before dx is rounded.
+
+    dx is the gradient of both x and y. grad_s may be None (the sum was not used); grad_h may not."""
+    dx, dw, db = _dx_compute(grad_h, s, weight, mean, rstd, need_dw, need_db)
+    if grad_s is not None:
+        dx += upcast(grad_s)
+    return dx.astype(s.dtype, copy=False), dw, db

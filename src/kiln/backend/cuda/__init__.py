@@ -21,7 +21,7 @@ from kiln.backend.cuda.elementwise import add, cast
 from kiln.backend.cuda.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cuda.gelu import gelu_bwd, gelu_fwd
 from kiln.backend.cuda.graph import capture
-from kiln.backend.cuda.layer_norm import layer_norm_bwd, layer_norm_fwd
+from kiln.backend.cuda.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd
 from kiln.backend.cuda.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
 from kiln.backend.cuda.rng import dropout_fwd, generator_state, new_generator, rng_normal, rng_uniform, \
     set_generator_state
@@ -37,6 +37,7 @@ name = "cuda"
 __all__ = [
     "add", "cast", "adamw_step", "adamw_hyper_buffer", "adamw_set_hyper", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
     "cross_entropy_fwd", "dropout_fwd", "embedding_bwd", "embedding_fwd", "gelu_bwd", "gelu_fwd",
+    "add_layer_norm_bwd", "add_layer_norm_fwd",
     "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "linear_gelu_fwd", "matmul", "log_softmax_bwd",
     "log_softmax_fwd", "softmax_bwd", "softmax_fwd", "asarray", "to_numpy", "empty", "zeros",
     "new_generator", "generator_state", "set_generator_state", "rng_normal", "rng_uniform",

@@ -2,13 +2,19 @@
 
 The backward writes dx and per-block partial sums of dweight/dbias that a second kernel adds
 in a fixed order, so dweight/dbias are deterministic (no atomics).
+
+add_layer_norm_fwd/_bwd fuse the residual add before a LayerNorm: one kernel reads x and y and
+writes s = x + y and layer_norm(s); the backward kernel adds the gradient of s into dx as it
+stores it (the gradient of both x and y), so neither the add nor autograd's gradient sum of the
+residual stream is a kernel of its own.
 """
 
 from __future__ import annotations
 
 from kiln.backend.cpu import layer_norm as cpu
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import LAYER_NORM_BWD_WIDTHS, LAYER_NORM_WIDTHS, f32, get_kernel, i32
+from kiln.backend.cuda.compiler import (ADD_LAYER_NORM_WIDTHS, LAYER_NORM_BWD_WIDTHS, LAYER_NORM_WIDTHS, f32,
+                                         get_kernel, i32)
 from kiln.backend.cuda.launch import aligned16, cdiv, contiguous, cpu_fallback, ctype
 
 _ROWS_PER_BLOCK = 8  # one warp per row, 8 warps per block (kLnWarps in layer_norm.cu)
@@ -56,26 +62,67 @@ def layer_norm_fwd(x, weight, bias, eps):
 
 def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db):
     """(dx, dweight, dbias); dweight/dbias are None unless asked for."""
+    if ctype(x.dtype) is None:
+        return cpu_fallback(cpu.layer_norm_bwd, grad, x, weight, mean, rstd, need_dw, need_db)
+    return _bwd(None, grad, x, weight, mean, rstd, need_dw, need_db)
+
+
+def add_layer_norm_fwd(x, y, weight, bias, eps):
+    """(s, h, mean, rstd) for s = x + y and h = layer_norm(s), x and y [N, C] of one dtype."""
     t = ctype(x.dtype)
     if t is None:
-        return cpu_fallback(cpu.layer_norm_bwd, grad, x, weight, mean, rstd, need_dw, need_db)
+        return cpu_fallback(cpu.add_layer_norm_fwd, x, y, weight, bias, eps)
+    cp = rt.cupy()
+    x = contiguous(x)
+    y = contiguous(y.astype(x.dtype, copy=False))
+    n, c = x.shape
+    w = _constant(1.0, c, x.dtype) if weight is None else contiguous(weight.astype(x.dtype, copy=False))
+    b = _constant(0.0, c, x.dtype) if bias is None else contiguous(bias.astype(x.dtype, copy=False))
+    s = cp.empty_like(x)
+    h = cp.empty_like(x)
+    mean = cp.empty((n,), dtype=cp.float32)
+    rstd = cp.empty((n,), dtype=cp.float32)
+    grid = (cdiv(n, _ROWS_PER_BLOCK),)
+    if _reg_ok(c, x.dtype, ADD_LAYER_NORM_WIDTHS) and aligned16(x, y, s, h, w, b):
+        get_kernel("layer_norm.cu", f"add_layer_norm_fwd_reg<{t}, {c}>")(
+            grid, (256,), (x, y, w, b, s, h, mean, rstd, i32(n), f32(eps)))
+    else:
+        get_kernel("layer_norm.cu", f"add_layer_norm_fwd_any<{t}>")(
+            grid, (256,), (x, y, w, b, s, h, mean, rstd, i32(n), i32(c), f32(eps)))
+    return s, h, mean, rstd
+
+
+def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db):
+    """(dx, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h) (rounded once): the gradient
+    of both addends of s = x + y. grad_s None: dx is the LayerNorm's alone (the plain kernels)."""
+    if ctype(s.dtype) is None:
+        return cpu_fallback(cpu.add_layer_norm_bwd, grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db)
+    return _bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db)
+
+
+def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db):
+    """The LayerNorm backward of grad at x (plus grad_s into dx unless it is None)."""
+    t = ctype(x.dtype)
     cp = rt.cupy()
     x = contiguous(x)
     n, c = x.shape
     g = contiguous(grad.astype(x.dtype, copy=False))
+    ds = None if grad_s is None else contiguous(grad_s.astype(x.dtype, copy=False))
+    add = "" if ds is None else "add_"
+    head = () if ds is None else (ds,)
     w = _constant(1.0, c, x.dtype) if weight is None else contiguous(weight.astype(x.dtype, copy=False))
     mean = contiguous(mean.astype(cp.float32, copy=False))
     rstd = contiguous(rstd.astype(cp.float32, copy=False))
     dx = cp.empty_like(x)
     parts, partial = 0, None
-    if _reg_ok(c, x.dtype, LAYER_NORM_BWD_WIDTHS) and aligned16(g, x, w, dx):
+    if _reg_ok(c, x.dtype, LAYER_NORM_BWD_WIDTHS) and aligned16(g, x, w, dx, ds):
         parts = max(1, min(cdiv(n, _ROWS_PER_BLOCK), _MAX_BWD_BLOCKS))
         partial = cp.empty((2 * parts, c), dtype=cp.float32)
-        get_kernel("layer_norm.cu", f"layer_norm_bwd_reg<{t}, {c}>")(
-            (parts,), (256,), (g, x, w, mean, rstd, dx, partial, i32(n)))
+        get_kernel("layer_norm.cu", f"{add}layer_norm_bwd_reg<{t}, {c}>")(
+            (parts,), (256,), (*head, g, x, w, mean, rstd, dx, partial, i32(n)))
     else:
-        get_kernel("layer_norm.cu", f"layer_norm_bwd_any<{t}>")(
-            (cdiv(n, _ROWS_PER_BLOCK),), (256,), (g, x, w, mean, rstd, dx, i32(n), i32(c)))
+        get_kernel("layer_norm.cu", f"{add}layer_norm_bwd_any<{t}>")(
+            (cdiv(n, _ROWS_PER_BLOCK),), (256,), (*head, g, x, w, mean, rstd, dx, i32(n), i32(c)))
         if need_dw or need_db:
             rows_per_chunk = max(64, cdiv(n, 256))
             parts = max(1, cdiv(n, rows_per_chunk))
