@@ -204,18 +204,6 @@ def test_the_trainer_trains_from_the_staged_loader_and_resumes_exactly(tmp_path,
     full.fit()
     ck = CheckpointFolder(tmp_path / "full" / "checkpoints")
     stopped = stopped_run_folder(tmp_path / "full", 4, tmp_path / "stopped")
-    raw = ck.path_for(4).read_bytes()
-    try:
-        load(ck.path_for(4))
-    except Exception as e:  # seen on the H200 on 2026-12-03: where the header's JSON breaks says which write went wrong
-        n = int.from_bytes(raw[:8], "little")
-        try:
-            json.loads(raw[8:8 + n].decode("utf-8", errors="replace"))
-            where = "the header parses here"
-        except ValueError as je:
-            at = 8 + getattr(je, "pos", 0)
-            where = f"{je}; bytes {at - 120}..{at + 120}: {raw[max(0, at - 120):at + 120]!r}"
-        pytest.fail(f"{e}\n{len(raw)} bytes, header length {n}; {where}")
     resumed = Trainer.from_checkpoint(stopped)
     assert resumed.train_loader.pinned
     # the saved position is the next batch to train on: 4 steps x 2 micro-batches read

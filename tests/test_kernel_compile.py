@@ -78,3 +78,14 @@ def test_cache_key_changes_with_source(tmp_path, monkeypatch):
     (tmp_path / "k.cu").write_text("__global__ void k() { }\n")
     assert compiler.cache_key("k.cu", ARCH) != a
     assert compiler.cache_key("k.cu", "sm_80") != compiler.cache_key("k.cu", ARCH)
+
+
+def test_compiling_leaves_python_bytes_alone():
+    """NVRTC writes the log and the cubin into the buffers it is given. Given b" " * 1 (CPython's
+    cached one-byte b" "), the empty log's terminator turned every later b" " * n and bytes([32])
+    of the process into zeros: on the H200 that zeroed checkpoint headers' padding and broke
+    `import torch` in the benchmark (2026-12-03)."""
+    family = compiler.compile_family("elementwise.cu", ARCH)
+    assert family.log == ""  # the empty log: the one-byte buffer that hit the cached b" "
+    n = len(family.lowered)   # runtime values, not literals the compiler would fold
+    assert bytes([32]) == b"\x20" and b" " * n == bytes([32] * n)

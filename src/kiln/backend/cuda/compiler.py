@@ -180,17 +180,22 @@ def compile_family(family: str, arch: str = "sm_90a", name_expressions=None,
             _check(nvrtc.nvrtcAddNameExpression(prog, e.encode()), "add name expression", family)
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size", family)[0]
-        buf = b" " * size
+        # NVRTC writes into the buffer it is given: never a bytes object. b" " * 1 is CPython's
+        # cached b" ", and an empty log ("\0") written into it turned every later b" " * n and
+        # bytes([32]) of the process into zeros (checkpoint headers' padding, torch's op schemas:
+        # the "corrupt checkpoints of CUDA runs" of 2026-12-03)
+        buf = bytearray(size)
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "log", family)
-        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\x00 ").decode(errors="replace")
         _check(res, "compile", family, f"options: {' '.join(opts)}\n{log}")
         lowered = {}
         for e in exprs:
             name = _check(nvrtc.nvrtcGetLoweredName(prog, e.encode()), "lowered name", family)[0]
             lowered[e] = name.decode() if isinstance(name, bytes) else str(name)
         n = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size", family)[0]
-        cubin = b" " * n
+        cubin = bytearray(n)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin", family)
+        cubin = bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return CompiledFamily(family, cubin, lowered, log)
