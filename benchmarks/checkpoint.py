@@ -12,7 +12,7 @@ so machine noise hits both. Every save goes to a new file (the old one deleted, 
 released, before the clock starts), as a run's step-numbered checkpoints do.
 Phase 1, save and load:
   kiln save        kiln.checkpoint.save: CRC-32 per 4 MiB block + sha256 of the header, temp file,
-                   fsync, rename, fsync folder (plain pwrite; O_DIRECT with KILN_CHECKPOINT_DIRECT=1)
+                   fsync, rename, fsync folder (O_DIRECT where allowed; plain pwrite with KILN_CHECKPOINT_DIRECT=0)
   kiln load        kiln.checkpoint.load from the disk: read + every checksum verified
   torch save       torch.save to a file + fsync (the durability a crash-safe checkpoint needs);
                    "nofsync" without it

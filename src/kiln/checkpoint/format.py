@@ -18,13 +18,13 @@ the (checksummed) header. CRC-32 is the check of zip, gzip and PNG: it catches e
 to 32 flipped bits and all but 2^-32 of other damage, at ~6 GB/s a core where sha256 does 2.
 
 Blocks are written and read on a pool of threads (file calls and zlib release the GIL), each
-checksumming the block it moves while it is in cache. With KILN_CHECKPOINT_DIRECT=1 both directions
-bypass the page cache (O_DIRECT; writes through a per-thread aligned bounce buffer, reads straight
-into the page-aligned result) where the filesystem allows it: a checkpoint is written once and
-read once, so caching it only evicts the training data. It is off by default: on the H200 machine
-of 2026-12-03 (ext4, kernel 6.18), checkpoints of CUDA training runs written that way read back
-with the header's space padding turned to zeros (tests/test_data_staging_cuda.py), while the same
-runs with plain pwrite/preadv and CPU-only saves with O_DIRECT were exact. The file is
+checksumming the block it moves while it is in cache. Both directions bypass the page cache
+(O_DIRECT; writes through a per-thread aligned bounce buffer, reads straight into the page-aligned
+result) where the filesystem allows it: a checkpoint is written once and read once, so caching it
+only evicts the training data. KILN_CHECKPOINT_DIRECT=0 turns that off (plain pwrite/preadv).
+(From a859d51 to 0f60023 it was off by default: CUDA runs' checkpoints came back with the header's
+padding zeroed. The cause was not the I/O: NVRTC had written into CPython's cached b" ", see
+backend/cuda/compiler.py.) The file is
 written to a temporary name in the same folder, fsync'd, renamed over the target and the folder
 fsync'd, so a crash or a full disk mid-save leaves the previous file as it was (the paper's
 "resume from the last uncorrupted point", section 4.6).
@@ -61,7 +61,7 @@ FORMAT_VERSION = 1
 SUFFIX = ".kiln"
 CHUNK = 4 * 1024 * 1024  # bytes per block: big enough for the disk, small enough for the cache
 ALIGN = 4096             # O_DIRECT alignment of memory, offsets and lengths; the data starts here
-DIRECT_IO = hasattr(os, "O_DIRECT") and os.environ.get("KILN_CHECKPOINT_DIRECT", "0") == "1"  # see above
+DIRECT_IO = hasattr(os, "O_DIRECT") and os.environ.get("KILN_CHECKPOINT_DIRECT", "1") != "0"  # see above
 _TENSOR = "__tensor__"
 _ZERO_SHA = "0" * 64
 _MAX_HEADER = 512 * 1024 * 1024
