@@ -139,36 +139,39 @@ def test_a_bad_token_raises_at_the_same_batch_as_on_the_cpu(tmp_path):
     assert batches_before_the_error(staged(ShardLoader(tmp_path, **kw))) == cpu
 
 
-class FakeCuda:
-    """Just enough of CuPy for the staging engines, logging each stream operation in issue order:
-    (stream, "copy"/"wait"/"record", what) and ("host", "sync", event)."""
+class FakeBackend:
+    """Just enough of a device backend's stream verbs for the staging engines, logging each stream
+    operation in issue order: (stream, "copy"/"wait"/"record", what) and ("host", "sync", event)."""
 
     def __init__(self):
         self.log = []
         self.compute = FakeStream(self, "compute")
         self._events = iter(["copied0", "copied1", "consumed0", "consumed1"])
-        self.cuda = self
 
-    def Device(self, index):
+    def on_device(self, index):
         import contextlib
         return contextlib.nullcontext()
 
-    def Stream(self, non_blocking=False):
-        assert non_blocking, "the copy stream must not synchronise with the legacy null stream"
-        return FakeStream(self, "copy")
-
-    def Event(self, disable_timing=False):
-        return FakeEvent(self, next(self._events))
-
-    def empty(self, shape, dtype):
-        return FakeDeviceArray(self, np.empty(shape, dtype))
-
-    # what the engines call on kiln.backend.cuda.device
-    def cupy(self):
-        return self
-
     def stream(self):
         return self.compute
+
+    def new_stream(self, high_priority=False):
+        return FakeStream(self, "copy")
+
+    def event(self, timing=False):
+        return FakeEvent(self, next(self._events))
+
+    def pinned_empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def empty(self, shape, dtype):
+        return FakeDeviceArray(np.empty(shape, dtype))
+
+    def copy_async(self, dst, src, stream):
+        assert isinstance(dst, FakeDeviceArray) and type(src) is np.ndarray
+        assert src.dtype == dst.dtype and src.shape == dst.shape
+        self.log.append((stream.name, "copy", "slot"))
+        dst[...] = src
 
 
 class FakeStream:
@@ -194,27 +197,16 @@ class FakeEvent:
 
 
 class FakeDeviceArray(np.ndarray):
-    def __new__(cls, fake, array):
-        out = array.view(cls)
-        out.fake = fake
-        return out
+    """A "device" array: copy_async checks that the engines copy into these from host arrays."""
 
-    def __array_finalize__(self, obj):
-        self.fake = getattr(obj, "fake", None)
-
-    def set(self, host, stream):
-        assert isinstance(host, np.ndarray) and host.dtype == self.dtype and host.shape == self.shape
-        self.fake.log.append((stream.name, "copy", "slot"))
-        self[...] = host
+    def __new__(cls, array):
+        return array.view(cls)
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
-    staging = pytest.importorskip("kiln.data.staging")
-    fake = FakeCuda()
-    monkeypatch.setattr(staging, "rt", fake)
-    monkeypatch.setattr(staging, "_pinned_empty", lambda shape, dtype: np.empty(shape, dtype))
-    return staging, fake
+def fake_cuda():
+    from kiln.data import staging
+    return staging, FakeBackend()
 
 
 def test_pinned_staging_orders_its_copies_with_the_two_events_of_algorithm_2(tmp_path, fake_cuda):
@@ -222,7 +214,7 @@ def test_pinned_staging_orders_its_copies_with_the_two_events_of_algorithm_2(tmp
     make_shards(tmp_path, [900, 900], np.random.default_rng())
     kw = dict(batch_size=2, seq_len=16)
     loader, cpu = ShardLoader(tmp_path, **kw), ShardLoader(tmp_path, **kw)
-    loader._staging = staging.PinnedStaging(33, loader.token_dtype, 2, 16)
+    loader._staging = staging.PinnedStaging(33, loader.token_dtype, 2, 16, fake)
     assert loader.pinned
     fake.log.clear()
     assert_same_batches(take(loader, 3), take(cpu, 3))
@@ -247,7 +239,7 @@ def test_the_synchronous_fallback_copies_on_the_compute_stream_only(tmp_path, fa
     make_shards(tmp_path, [900, 900], np.random.default_rng())
     kw = dict(batch_size=2, seq_len=16)
     loader, cpu = ShardLoader(tmp_path, **kw), ShardLoader(tmp_path, **kw)
-    loader._staging = staging.open_staging(33, loader.token_dtype, 2, 16, pinned=False)
+    loader._staging = staging.open_staging(33, loader.token_dtype, 2, 16, fake, pinned=False)
     assert not loader.pinned
     n = 2 * (900 // 32) + 3  # past a wrap
     assert_same_batches(take(loader, n), take(cpu, n))
@@ -260,20 +252,20 @@ def test_the_fallback_is_chosen_and_said_once_when_pinned_memory_cannot_be_had(t
     def refuse(shape, dtype):
         raise MemoryError("cudaErrorMemoryAllocation: out of memory")
 
-    monkeypatch.setattr(staging, "_pinned_empty", refuse)
+    monkeypatch.setattr(fake, "pinned_empty", refuse)
     make_shards(tmp_path, [900, 900], np.random.default_rng())
     kw = dict(batch_size=2, seq_len=16)
     loader, cpu = ShardLoader(tmp_path, **kw), ShardLoader(tmp_path, **kw)
     with pytest.warns(RuntimeWarning, match=r"ShardLoader\('train'\): pinned host memory for 2 x 33 tokens "
                                             r"cannot be had \(MemoryError: cudaErrorMemoryAllocation.*copied "
                                             "synchronously") as record:
-        loader._staging = staging.open_staging(33, loader.token_dtype, 2, 16, what="ShardLoader('train')")
+        loader._staging = staging.open_staging(33, loader.token_dtype, 2, 16, fake, what="ShardLoader('train')")
     assert len(record) == 1 and isinstance(loader._staging, staging.SyncStaging) and not loader.pinned
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         n = 2 * (900 // 32) + 3
         assert_same_batches(take(loader, n), take(cpu, n))  # no further word, the same batches
-        assert isinstance(staging.open_staging(33, np.uint16, 2, 16, pinned=False), staging.SyncStaging)
+        assert isinstance(staging.open_staging(33, np.uint16, 2, 16, fake, pinned=False), staging.SyncStaging)
 
 
 def test_errors_other_than_pinned_memory_are_not_hidden_by_the_fallback(fake_cuda, monkeypatch):
@@ -284,4 +276,19 @@ def test_errors_other_than_pinned_memory_are_not_hidden_by_the_fallback(fake_cud
 
     monkeypatch.setattr(fake, "empty", broken)
     with pytest.raises(ValueError, match="a device fault"):
-        staging.open_staging(33, np.uint16, 2, 16)
+        staging.open_staging(33, np.uint16, 2, 16, fake)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_the_staging_engines_on_the_cpu_backend_give_the_cpu_loaders_batches(tmp_path, pinned):
+    """The engines are written with backend verbs only, so the CPU backend's (plain copies, no-op
+    streams and events) runs them: the same batches as the unstaged loader, past a shard wrap."""
+    from kiln.backend import get_backend
+    from kiln.data import staging
+    make_shards(tmp_path, [900, 700], np.random.default_rng())
+    kw = dict(batch_size=2, seq_len=16)
+    loader, cpu = ShardLoader(tmp_path, **kw), ShardLoader(tmp_path, **kw)
+    loader._staging = staging.open_staging(33, loader.token_dtype, 2, 16, get_backend("cpu"), pinned=pinned)
+    assert loader.pinned == pinned
+    n = 900 // 32 + 700 // 32 + 5
+    assert_same_batches(take(loader, n), take(cpu, n))

@@ -115,14 +115,14 @@ def test_a_restored_cuda_loader_yields_the_batches_of_one_that_never_stopped(tmp
 
 
 def test_no_pinned_memory_falls_back_with_one_warning_and_the_same_batches(tmp_path, monkeypatch):
-    from kiln.data import staging
+    from kiln.backend import get_backend
     rng = np.random.default_rng()
     make_shards(tmp_path, [800, 900], rng)
 
     def refuse(shape, dtype):
         raise RuntimeError("cudaErrorMemoryAllocation: out of memory (pinned)")
 
-    monkeypatch.setattr(staging, "_pinned_empty", refuse)
+    monkeypatch.setattr(get_backend("cuda"), "pinned_empty", refuse)
     with pytest.warns(RuntimeWarning, match="pinned host memory.*cannot be had.*copied synchronously") as record:
         gpu = ShardLoader(tmp_path, batch_size=4, seq_len=16, device="cuda")
     assert len(record) == 1 and not gpu.pinned

@@ -107,11 +107,10 @@ def apply_precision(model, precision: str, device) -> None:
     activations and GEMM operands over fp32 master weights and optimizer state; fp64: float64."""
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
-    if precision == "tf32" and device.type != "cuda":
+    if precision == "tf32" and "tf32" not in device.backend.MATMUL_PRECISIONS:
         raise ConfigError("precision tf32 is a GPU mode (tensor-core GEMMs); on the CPU use fp32")
     model.compute_dtype = kiln.bfloat16 if precision == "bf16" else None
-    if device.type == "cuda":
-        device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
+    device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
 
 
 def bundled_dataset() -> Path:
@@ -198,10 +197,8 @@ class Trainer:
         return warmup_cosine_lr(step, c.lr, c.min_lr, c.warmup_steps, c.max_steps)
 
     def _batch(self, loader):
-        x, y = loader.next_batch()
-        if loader.device.type == "cuda":  # already on the device, fresh arrays on kiln's stream: no copy
-            return kiln.Tensor._wrap(x, self.device), kiln.Tensor._wrap(y, self.device)
-        return kiln.tensor(x, device=self.device), kiln.tensor(y, device=self.device)
+        x, y = loader.next_batch()  # fresh arrays on the trainer's device (kiln's stream): no copy
+        return kiln.Tensor._wrap(x, self.device), kiln.Tensor._wrap(y, self.device)
 
     def train_step(self, eager: bool = False) -> dict:
         """One optimizer step over grad_accum micro-batches; returns loss, lr and grad norm.
@@ -232,7 +229,7 @@ class Trainer:
                 "grad_norm": None if norm is None else norm.item()}
 
     def _use_graph(self) -> bool:
-        return (self.config.cuda_graph and self.device.type == "cuda" and self.step >= 2
+        return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
                 and self.model_config.dropout == 0.0 and not self._graph_failed)
 
     def _step_body(self, *batches):
@@ -312,7 +309,7 @@ class Trainer:
                 else:
                     row = self.train_step()
                 dt = time.perf_counter() - t0
-                if self.step == 1 and self.device.type == "cuda":
+                if self.step == 1:
                     self.device.backend.end_warmup()  # the paper's §5 allocator: learn, then flush step 0
                 row["tokens_per_s"] = tokens_per_step / dt
                 row["elapsed_s"] = time.perf_counter() - start

@@ -92,6 +92,11 @@ def cuda_is_available() -> bool:
     return True
 
 
+def is_device_array(value) -> bool:
+    """True for an array in device memory (a CuPy array), told without importing the device library."""
+    return type(value).__module__.partition(".")[0] == "cupy"
+
+
 def array_backend(array):
     """The backend module an array belongs to (the cpu one for NumPy, else cuda)."""
     import numpy as np

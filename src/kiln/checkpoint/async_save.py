@@ -14,20 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kiln.backend import array_backend, is_device_array
 from kiln.checkpoint.format import CheckpointError, save
 
 _COPY_CHUNK = 32 * 1024 * 1024  # bytes: big copies split so every core helps
 
 
-def _is_cupy(a) -> bool:
-    return type(a).__module__.startswith("cupy")
-
-
 def to_host(state):
-    """The tree with CuPy arrays copied to host NumPy arrays and NumPy arrays as they are: what a
+    """The tree with device arrays copied to host NumPy arrays and NumPy arrays as they are: what a
     synchronous save writes (the step is blocked anyway, so host arrays need no copy)."""
-    if _is_cupy(state):
-        return state.get()
+    if is_device_array(state):
+        return array_backend(state).to_numpy(state)
     if isinstance(state, dict):
         return {k: to_host(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
@@ -39,7 +36,7 @@ class HostStaging:
     """Host buffers for a state tree's arrays, kept from save to save.
 
     Fresh host memory costs a page fault per page at first touch, more than the copy itself, so
-    each array's buffer is allocated once (pinned, for CuPy arrays: the device-to-host copy then
+    each array's buffer is allocated once (pinned, for device arrays: the device-to-host copy then
     runs at full PCIe speed) and reused while the shapes stay the same (they do: section 3's
     static step)."""
 
@@ -51,9 +48,8 @@ class HostStaging:
     def _buffer(self, key, a) -> np.ndarray:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != a.shape or buf.dtype != a.dtype:
-            if _is_cupy(a):
-                import cupyx
-                buf = cupyx.empty_pinned(a.shape, dtype=a.dtype)
+            if is_device_array(a):
+                buf = array_backend(a).pinned_empty(a.shape, a.dtype)
             else:  # NumPy's allocation (transparent huge pages): fewer faults at the first copy
                 buf = np.empty(a.shape, dtype=a.dtype)
             self._buffers[key] = buf
@@ -64,9 +60,9 @@ class HostStaging:
         jobs, device_copies = [], []
 
         def walk(node, path):
-            if isinstance(node, np.ndarray) or _is_cupy(node):
+            if isinstance(node, np.ndarray) or is_device_array(node):
                 buf = self._buffer(path, node)
-                (device_copies if _is_cupy(node) else jobs).append((buf, node))
+                (device_copies if is_device_array(node) else jobs).append((buf, node))
                 return buf
             if isinstance(node, dict):
                 return {k: walk(v, path + (k,)) for k, v in node.items()}
@@ -76,12 +72,12 @@ class HostStaging:
 
         tree = walk(state, ())
         if device_copies:
-            # CuPy arrays: asynchronous copies on the current stream (kiln's, so they follow the
-            # step's kernels), into pinned buffers, then one wait for all of them.
-            import cupy
-            stream = cupy.cuda.get_current_stream()
+            # Device arrays: asynchronous copies on kiln's stream (so they follow the step's
+            # kernels), into pinned buffers, then one wait for all of them.
+            backend = array_backend(device_copies[0][1])
+            stream = backend.stream()
             for buf, a in device_copies:
-                a.get(stream=stream, out=buf, blocking=False)
+                backend.copy_async(buf, a, stream)
             stream.synchronize()
         # NumPy arrays: chunked copies on all cores (np.copyto releases the GIL)
         pieces = []

@@ -97,11 +97,11 @@ class ShardLoader:
         self._ahead = None          # CUDA: (slot, position) of the batch staged ahead
         self._ahead_error = None    # CUDA: an error of the step past the staged batch, raised in turn
         self._slot = 0
-        if self.device.type == "cuda":
-            self.device.backend  # raises a DeviceError naming what is missing for cuda
+        backend = self.device.backend  # raises a DeviceError naming what is missing for cuda
+        if not backend.host_memory:
             from kiln.data.staging import open_staging
             self._staging = open_staging(self.tokens_per_batch + 1, self.token_dtype, batch_size, seq_len,
-                                         self.device.index, pinned=pinned,
+                                         backend, self.device.index, pinned=pinned,
                                          what=f"ShardLoader({split!r}, device={str(self.device)!r})")
         self.reset()
 

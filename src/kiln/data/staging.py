@@ -1,8 +1,8 @@
-"""Host-to-device staging of token batches on CUDA: the copy half of the paper's Algorithm 2.
+"""Host-to-device staging of token batches: the copy half of the paper's Algorithm 2.
 
 A staging engine holds two slots. `put(slot, window)` starts moving one batch's B·T+1 tokens
 (a view of the memory-mapped shard) to the device; `take(slot)` gives that batch as (x, y) int64
-CuPy arrays on kiln's compute stream. `ShardLoader` calls `put` for batch i+1 right after `take`
+device arrays on kiln's compute stream. `ShardLoader` calls `put` for batch i+1 right after `take`
 of batch i, so the next batch lands while this one trains.
 
 `PinnedStaging` (§5 "Data Loader"): pinned host buffers, device buffers allocated once and kept,
@@ -10,7 +10,8 @@ an asynchronous copy on a dedicated copy stream, and two events per slot: `copie
 has landed; the compute stream waits on it before reading) and `consumed` (the compute stream is
 done with the device buffer; the copy stream waits on it before overwriting). `SyncStaging` is
 the fallback when pinned memory cannot be had: the same batches, copied on the compute stream
-when they are taken, with no overlap. CuPy is imported lazily: CPU-only installs never load it.
+when they are taken, with no overlap. Both are written with the backend's stream, event, pinned
+memory and copy verbs, so this module never touches a device library itself.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import warnings
 
 import numpy as np
 
-from kiln.backend.cuda import device as rt
 from kiln.data.loader import split_window
 
 
@@ -27,39 +27,32 @@ class PinnedMemoryUnavailable(RuntimeError):
     """Page-locked host memory cannot be had: the loader falls back to SyncStaging."""
 
 
-def _pinned_empty(shape, dtype):
-    """Page-locked host memory (a seam: tests make it fail to check the fallback)."""
-    import cupyx
-    return cupyx.empty_pinned(shape, dtype=dtype)
-
-
 class PinnedStaging:
     """Two pinned host buffers, two device buffers, a copy stream and copied/consumed events."""
 
     synchronous = False
 
-    def __init__(self, num_tokens: int, dtype, batch_size: int, seq_len: int, device_index: int = 0):
-        cp = rt.cupy()
+    def __init__(self, num_tokens: int, dtype, batch_size: int, seq_len: int, backend, device_index: int = 0):
+        be = self.backend = backend
         self.shape, self.device_index = (batch_size, seq_len), device_index
-        with cp.cuda.Device(device_index):
-            self.compute_stream = rt.stream()  # installs kiln's allocator before the buffers below
+        with be.on_device(device_index):
+            self.compute_stream = be.stream()  # installs kiln's allocator before the buffers below
             try:
-                self.host = [_pinned_empty((num_tokens,), dtype) for _ in range(2)]
+                self.host = [be.pinned_empty((num_tokens,), dtype) for _ in range(2)]
             except Exception as e:  # cudaErrorMemoryAllocation, a locked-memory limit, a driver refusal
                 raise PinnedMemoryUnavailable(f"{type(e).__name__}: {e}") from e
             # Allocated once and referenced until close(): the caching allocator reuses a freed block
             # at once, which is safe only on kiln's stream, and these are written on the copy stream.
-            self.dev = [cp.empty((num_tokens,), dtype=dtype) for _ in range(2)]
-            self.copy_stream = cp.cuda.Stream(non_blocking=True)
-            self.copied = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
-            self.consumed = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+            self.dev = [be.empty((num_tokens,), dtype) for _ in range(2)]
+            self.copy_stream = be.new_stream()
+            self.copied = [be.event() for _ in range(2)]
+            self.consumed = [be.event() for _ in range(2)]
         self._copy_issued = [False, False]
         self._consumed_recorded = [False, False]
 
     def put(self, slot: int, window: np.ndarray) -> None:
         """Copy the window into pinned slot `slot`, then start its H2D copy on the copy stream."""
-        cp = rt.cupy()
-        with cp.cuda.Device(self.device_index):
+        with self.backend.on_device(self.device_index):
             if self._copy_issued[slot]:
                 # The host refills this pinned buffer only once the copy that read it (issued two
                 # calls ago) has finished: a wait on a copy-stream event, not on the compute stream
@@ -68,15 +61,14 @@ class PinnedStaging:
             np.copyto(self.host[slot], window)
             if self._consumed_recorded[slot]:
                 self.copy_stream.wait_event(self.consumed[slot])  # Algorithm 2, line 12
-            self.dev[slot].set(self.host[slot], stream=self.copy_stream)
+            self.backend.copy_async(self.dev[slot], self.host[slot], self.copy_stream)
             self.copied[slot].record(self.copy_stream)  # line 23: h2d_done
             self._copy_issued[slot] = True
 
     def take(self, slot: int):
         """The batch in `slot` as (x, y) on the compute stream, once its copy has landed."""
-        cp = rt.cupy()
-        with cp.cuda.Device(self.device_index):
-            compute = rt.stream()  # kiln's stream, made current: split_window's kernels run on it
+        with self.backend.on_device(self.device_index):
+            compute = self.backend.stream()  # kiln's stream, made current: split_window's kernels run on it
             compute.wait_event(self.copied[slot])  # line 14: the data has landed
             x, y = split_window(self.dev[slot], *self.shape)
             # x and y are fresh arrays on the compute stream, so the caller may keep them; the
@@ -102,7 +94,8 @@ class SyncStaging:
 
     synchronous = True
 
-    def __init__(self, num_tokens: int, dtype, batch_size: int, seq_len: int, device_index: int = 0):
+    def __init__(self, num_tokens: int, dtype, batch_size: int, seq_len: int, backend, device_index: int = 0):
+        self.backend = backend
         self.shape, self.device_index, self.dtype = (batch_size, seq_len), device_index, np.dtype(dtype)
         self._windows: list = [None, None]
 
@@ -110,30 +103,29 @@ class SyncStaging:
         self._windows[slot] = window  # a view of the memory-mapped shard; read at take()
 
     def take(self, slot: int):
-        cp = rt.cupy()
         window, self._windows[slot] = self._windows[slot], None
         host = np.ascontiguousarray(window, dtype=self.dtype)
-        with cp.cuda.Device(self.device_index):
-            compute = rt.stream()
-            dev = cp.empty(host.shape, dtype=host.dtype)
+        with self.backend.on_device(self.device_index):
+            compute = self.backend.stream()
+            dev = self.backend.empty(host.shape, host.dtype)
             # From pageable memory on the compute stream: the host waits while the driver stages the
             # bytes, and the copy is ordered with kiln's work (no other stream touches `dev`).
-            dev.set(host, stream=compute)
+            self.backend.copy_async(dev, host, compute)
             return split_window(dev, *self.shape)
 
     def close(self) -> None:
         pass
 
 
-def open_staging(num_tokens: int, dtype, batch_size: int, seq_len: int, device_index: int = 0,
+def open_staging(num_tokens: int, dtype, batch_size: int, seq_len: int, backend, device_index: int = 0,
                  pinned: bool = True, what: str = "ShardLoader"):
     """PinnedStaging, or SyncStaging when `pinned` is False or pinned memory cannot be had (said
-    once, with a RuntimeWarning naming the reason)."""
+    once, with a RuntimeWarning naming the reason); `backend` is the device's backend module."""
     if pinned:
         try:
-            return PinnedStaging(num_tokens, dtype, batch_size, seq_len, device_index)
+            return PinnedStaging(num_tokens, dtype, batch_size, seq_len, backend, device_index)
         except PinnedMemoryUnavailable as e:
             warnings.warn(f"{what}: pinned host memory for 2 x {num_tokens} tokens cannot be had "
                           f"({e}); batches are copied synchronously on the compute "
                           "stream instead (the same batches, without overlap)", RuntimeWarning, stacklevel=3)
-    return SyncStaging(num_tokens, dtype, batch_size, seq_len, device_index)
+    return SyncStaging(num_tokens, dtype, batch_size, seq_len, backend, device_index)

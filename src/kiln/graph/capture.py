@@ -61,7 +61,7 @@ class CapturedStep:
         return self._graph.result
 
     def _capture(self, inputs):
-        if not inputs or any(t.device.type != "cuda" for t in inputs):
+        if not inputs or any(not t.device.backend.captures_graphs for t in inputs):
             raise DeviceError("CapturedStep records CUDA graphs: its inputs must be tensors on a cuda device, "
                               f"got {[str(t.device) for t in inputs]}")
         global _recording

@@ -23,30 +23,19 @@ KERNELS = ("matmul", "linear_fwd", "linear_bwd", "linear_gelu_fwd", "embedding_f
            "dropout_fwd", "adamw_step", "grad_norm", "scale_", "scatter_add")
 
 
-class _CpuClock:
-    def mark(self):
-        return time.perf_counter()
+class _Clock:
+    """Timing marks from the backend's timing events: device time on CUDA, host time on the CPU."""
 
-    def elapsed_ms(self, a, b):
-        return 1000.0 * (b - a)
-
-    def synchronize(self):
-        pass
-
-
-class _CudaClock:
     def __init__(self, backend):
-        import cupy
-        self.cupy = cupy
         self.backend = backend
 
     def mark(self):
-        ev = self.cupy.cuda.Event()
-        ev.record(self.cupy.cuda.get_current_stream())
+        ev = self.backend.event(timing=True)
+        ev.record(self.backend.stream())
         return ev
 
     def elapsed_ms(self, a, b):
-        return self.cupy.cuda.get_elapsed_time(a, b)
+        return self.backend.elapsed_ms(a, b)
 
     def synchronize(self):
         self.backend.synchronize()
@@ -57,7 +46,7 @@ class Profiler:
 
     def __init__(self, device):
         self.backend = device.backend
-        self.clock = _CudaClock(self.backend) if device.type == "cuda" else _CpuClock()
+        self.clock = _Clock(self.backend)
         self.records = []      # (name, start mark, end mark, host seconds)
         self._saved = {}
         self.total_ms = None
@@ -117,7 +106,7 @@ class Profiler:
         lines.append(f"{'(untracked)':20}{'':7}{s['untracked_ms']:11.2f}"
                      f"{100 * s['untracked_ms'] / s['total_ms']:7.1f}")
         lines.append(f"{'total':20}{'':7}{s['total_ms']:11.2f}{100.0:7.1f}{s['host_ms']:10.2f}")
-        stats = getattr(self.backend, "memory_stats", lambda: {})()
+        stats = self.backend.memory_stats()
         if stats:
             gib = 2 ** 30
             lines.append("allocator: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in stats.items()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.errors import ConfigError
+
 from kiln.backend.cpu.adamw import adamw_step, grad_norm, scale_
 from kiln.backend.cpu.attention import attention_bwd, attention_fwd
 from kiln.backend.cpu.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
@@ -18,17 +20,47 @@ from kiln.backend.cpu.gelu import gelu_bwd, gelu_fwd
 from kiln.backend.cpu.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd
 from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
 from kiln.backend.cpu.softmax import log_softmax_bwd, log_softmax_fwd, softmax_bwd, softmax_fwd
+from kiln.backend.cpu.streams import copy_async, elapsed_ms, event, new_stream, on_device, pinned_empty, stream, \
+    use_stream
 
 xp = np
 name = "cpu"
+host_memory = True  # arrays are host memory: the loader and checkpoints need no staging copies
+captures_graphs = False  # kernels run as they are called: there is no graph to record (kiln.graph)
+MATMUL_PRECISIONS = ("fp32", "bf16")  # no tensor cores, so no tf32
 
 __all__ = [
     "add", "cast", "adamw_step", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
     "cross_entropy_fwd", "dropout_fwd", "embedding_bwd", "embedding_fwd", "gelu_bwd", "gelu_fwd",
     "add_layer_norm_bwd", "add_layer_norm_fwd",
     "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "linear_gelu_fwd", "matmul", "log_softmax_bwd",
-    "log_softmax_fwd", "softmax_bwd", "softmax_fwd",
+    "log_softmax_fwd", "softmax_bwd", "softmax_fwd", "stream", "new_stream", "use_stream", "event", "elapsed_ms",
+    "pinned_empty", "copy_async", "on_device", "set_matmul_precision", "get_matmul_precision", "end_warmup",
+    "memory_stats",
 ]
+
+_matmul_precision = "fp32"
+
+
+def set_matmul_precision(mode: str) -> None:
+    """Recorded only: CPU GEMMs compute in their operands' dtype (the reference; see ops.matmul)."""
+    global _matmul_precision
+    if mode not in MATMUL_PRECISIONS:
+        raise ConfigError(f"unknown CPU matmul precision {mode!r}; allowed: {', '.join(MATMUL_PRECISIONS)}")
+    _matmul_precision = mode
+
+
+def get_matmul_precision() -> str:
+    return _matmul_precision
+
+
+def end_warmup() -> None:
+    """Nothing to flush: host memory comes from NumPy, not from a caching allocator."""
+
+
+def memory_stats() -> dict:
+    """No allocator statistics on the host."""
+    return {}
 
 
 def asarray(data, dtype=None):

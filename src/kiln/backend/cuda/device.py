@@ -15,6 +15,7 @@ from kiln.errors import DeviceError
 
 _streams: dict = {}
 _lock = threading.Lock()
+_current = threading.local()  # .stream: the stream `use_stream` made current in this thread, or None
 
 
 def cupy():
@@ -43,7 +44,18 @@ def device_id() -> int:
 
 
 def stream():
-    """kiln's stream on the current device, made CuPy's current stream in this thread."""
+    """The stream kiln's work goes to, made CuPy's current stream in this thread: kiln's stream on
+    the current device, or the one a `use_stream` block in this thread named."""
+    s = getattr(_current, "stream", None)
+    if s is None:
+        s = compute_stream()
+    elif cupy().cuda.get_current_stream().ptr != s.ptr:
+        s.use()
+    return s
+
+
+def compute_stream():
+    """kiln's own stream on the current device (created at first use), made CuPy's current stream."""
     dev = device_id()
     s = _streams.get(dev)
     if s is None:
