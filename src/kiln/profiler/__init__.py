@@ -5,9 +5,9 @@
     prof.export_chrome_trace("trace.json")   # open in Perfetto (ui.perfetto.dev) or chrome://tracing
     print(prof.table())
 
-It wraps every named kernel of the device's backend (the names `kiln.ops` call), so each span
-is one op's forward or backward kernel; work outside them (CuPy elementwise arithmetic, the
-autograd engine's own additions) shows as the step's untracked time.
+It wraps every named kernel of the backend interface (`kiln.backend.interface.KERNELS`: the names
+`kiln.ops`, the optimizer and autograd's gradient sums call), so each span is one kernel call;
+work outside them (the array library's own elementwise arithmetic) shows as untracked time.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import json
 import time
 from collections import defaultdict
 
-KERNELS = ("matmul", "linear_fwd", "linear_bwd", "linear_gelu_fwd", "embedding_fwd", "embedding_bwd", "layer_norm_fwd",
-           "layer_norm_bwd", "add_layer_norm_fwd", "add_layer_norm_bwd", "gelu_fwd", "gelu_bwd", "softmax_fwd",
-           "softmax_bwd", "log_softmax_fwd",
-           "log_softmax_bwd", "cross_entropy_fwd", "cross_entropy_bwd", "attention_fwd", "attention_bwd",
-           "dropout_fwd", "adamw_step", "grad_norm", "scale_", "scatter_add")
+from kiln.backend.interface import KERNELS
+
+
 
 
 class _Clock:
@@ -64,10 +62,9 @@ class Profiler:
 
     def __enter__(self):
         for name in KERNELS:
-            fn = getattr(self.backend, name, None)
-            if fn is not None:
-                self._saved[name] = fn
-                setattr(self.backend, name, self._wrap(name, fn))
+            fn = getattr(self.backend, name)
+            self._saved[name] = fn
+            setattr(self.backend, name, self._wrap(name, fn))
         self.clock.synchronize()
         self._start = self.clock.mark()
         self._host_start = time.perf_counter()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.errors import ConfigError
-
 from kiln.backend.cpu.adamw import adamw_step, grad_norm, scale_
 from kiln.backend.cpu.attention import attention_bwd, attention_fwd
 from kiln.backend.cpu.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
@@ -17,11 +15,31 @@ from kiln.backend.cpu.dropout import dropout_fwd
 from kiln.backend.cpu.elementwise import add, cast
 from kiln.backend.cpu.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cpu.gelu import gelu_bwd, gelu_fwd
-from kiln.backend.cpu.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd
+from kiln.backend.cpu.layer_norm import (
+    add_layer_norm_bwd,
+    add_layer_norm_fwd,
+    layer_norm_bwd,
+    layer_norm_fwd,
+)
 from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
-from kiln.backend.cpu.softmax import log_softmax_bwd, log_softmax_fwd, softmax_bwd, softmax_fwd
-from kiln.backend.cpu.streams import copy_async, elapsed_ms, event, new_stream, on_device, pinned_empty, stream, \
-    use_stream
+from kiln.backend.cpu.softmax import (
+    log_softmax_bwd,
+    log_softmax_fwd,
+    softmax_bwd,
+    softmax_fwd,
+)
+from kiln.backend.cpu.streams import (
+    copy_async,
+    elapsed_ms,
+    event,
+    new_stream,
+    on_device,
+    pinned_empty,
+    stream,
+    use_stream,
+)
+from kiln.backend.interface import FACTS, exports
+from kiln.errors import ConfigError
 
 xp = np
 name = "cpu"
@@ -29,15 +47,7 @@ host_memory = True  # arrays are host memory: the loader and checkpoints need no
 captures_graphs = False  # kernels run as they are called: there is no graph to record (kiln.graph)
 MATMUL_PRECISIONS = ("fp32", "bf16")  # no tensor cores, so no tf32
 
-__all__ = [
-    "add", "cast", "adamw_step", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
-    "cross_entropy_fwd", "dropout_fwd", "embedding_bwd", "embedding_fwd", "gelu_bwd", "gelu_fwd",
-    "add_layer_norm_bwd", "add_layer_norm_fwd",
-    "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "linear_gelu_fwd", "matmul", "log_softmax_bwd",
-    "log_softmax_fwd", "softmax_bwd", "softmax_fwd", "stream", "new_stream", "use_stream", "event", "elapsed_ms",
-    "pinned_empty", "copy_async", "on_device", "set_matmul_precision", "get_matmul_precision", "end_warmup",
-    "memory_stats",
-]
+__all__ = [*exports(captures_graphs=False), *FACTS]
 
 _matmul_precision = "fp32"
 
@@ -61,6 +71,15 @@ def end_warmup() -> None:
 def memory_stats() -> dict:
     """No allocator statistics on the host."""
     return {}
+
+
+def release_unused() -> int:
+    """Nothing cached to give back (NumPy frees memory itself): 0 bytes released."""
+    return 0
+
+
+def ensure_available() -> None:
+    """The CPU is always there."""
 
 
 def asarray(data, dtype=None):

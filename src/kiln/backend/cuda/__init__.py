@@ -1,4 +1,4 @@
-"""The CUDA backend: CuPy arrays and kiln's own kernels, interface-identical to `kiln.backend.cpu`.
+"""The CUDA backend: CuPy arrays and kiln's own kernels, exporting kiln.backend.interface (as `cpu` does).
 
 Kernels are NVRTC-compiled CUDA C++ from `kernels/` (compiler.py), GEMMs go to cuBLASLt
 through kiln's ctypes binding (cublaslt.py), device memory comes from kiln's caching
@@ -11,23 +11,57 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.backend.cuda.adamw import adamw_hyper_buffer, adamw_set_hyper, adamw_step, grad_norm, scale_
+from kiln.backend.cuda.adamw import (
+    adamw_hyper_buffer,
+    adamw_set_hyper,
+    adamw_step,
+    grad_norm,
+    scale_,
+)
 from kiln.backend.cuda.allocator import end_warmup, memory_stats, release_unused
 from kiln.backend.cuda.attention import attention_bwd, attention_fwd
 from kiln.backend.cuda.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
-from kiln.backend.cuda.cublaslt import PRECISIONS, get_matmul_precision, set_matmul_precision
+from kiln.backend.cuda.cublaslt import (
+    PRECISIONS,
+    get_matmul_precision,
+    set_matmul_precision,
+)
 from kiln.backend.cuda.device import ensure_available, stream, synchronize
 from kiln.backend.cuda.elementwise import add, cast
 from kiln.backend.cuda.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cuda.gelu import gelu_bwd, gelu_fwd
 from kiln.backend.cuda.graph import capture
-from kiln.backend.cuda.layer_norm import add_layer_norm_bwd, add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd
+from kiln.backend.cuda.layer_norm import (
+    add_layer_norm_bwd,
+    add_layer_norm_fwd,
+    layer_norm_bwd,
+    layer_norm_fwd,
+)
 from kiln.backend.cuda.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
-from kiln.backend.cuda.rng import dropout_fwd, generator_state, new_generator, rng_normal, rng_uniform, \
-    set_generator_state
-from kiln.backend.cuda.softmax import log_softmax_bwd, log_softmax_fwd, softmax_bwd, softmax_fwd
-from kiln.backend.cuda.streams import copy_async, elapsed_ms, event, new_stream, on_device, pinned_empty, \
-    use_stream
+from kiln.backend.cuda.rng import (
+    dropout_fwd,
+    generator_state,
+    new_generator,
+    rng_normal,
+    rng_uniform,
+    set_generator_state,
+)
+from kiln.backend.cuda.softmax import (
+    log_softmax_bwd,
+    log_softmax_fwd,
+    softmax_bwd,
+    softmax_fwd,
+)
+from kiln.backend.cuda.streams import (
+    copy_async,
+    elapsed_ms,
+    event,
+    new_stream,
+    on_device,
+    pinned_empty,
+    use_stream,
+)
+from kiln.backend.interface import FACTS, exports
 
 try:
     import cupy as xp
@@ -39,17 +73,7 @@ host_memory = False  # arrays live in device memory: batches and checkpoints are
 captures_graphs = True  # a step can be recorded once and replayed as a CUDA graph (kiln.graph)
 MATMUL_PRECISIONS = PRECISIONS
 
-__all__ = [
-    "add", "cast", "adamw_step", "adamw_hyper_buffer", "adamw_set_hyper", "grad_norm", "scale_", "attention_bwd", "attention_fwd", "cross_entropy_bwd",
-    "cross_entropy_fwd", "dropout_fwd", "embedding_bwd", "embedding_fwd", "gelu_bwd", "gelu_fwd",
-    "add_layer_norm_bwd", "add_layer_norm_fwd",
-    "layer_norm_bwd", "layer_norm_fwd", "linear_bwd", "linear_fwd", "linear_gelu_fwd", "matmul", "log_softmax_bwd",
-    "log_softmax_fwd", "softmax_bwd", "softmax_fwd", "asarray", "to_numpy", "empty", "zeros",
-    "new_generator", "generator_state", "set_generator_state", "rng_normal", "rng_uniform",
-    "scatter_add", "synchronize", "ensure_available", "stream", "new_stream", "use_stream", "event",
-    "elapsed_ms", "pinned_empty", "copy_async", "on_device", "set_matmul_precision",
-    "get_matmul_precision", "memory_stats", "end_warmup", "release_unused", "capture",
-]
+__all__ = [*exports(captures_graphs=True), *FACTS]
 
 
 def asarray(data, dtype=None):

@@ -1,0 +1,75 @@
+"""Both backends export exactly the names of kiln.backend.interface, and only the backend imports
+the device library: the interface is a file, not three hand-kept lists."""
+
+import inspect
+import subprocess
+import sys
+import types
+
+import pytest
+
+from kiln.backend import interface
+
+
+def defined_callables(mod) -> set:
+    """The public callables a backend package defines itself (in it or its submodules), whether
+    or not it lists them: what it really offers, to compare with the interface."""
+    return {name for name, value in vars(mod).items()
+            if not name.startswith("_") and callable(value) and not isinstance(value, types.ModuleType)
+            and not inspect.isclass(value) and getattr(value, "__module__", "").startswith(mod.__name__)}
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_a_backend_exports_exactly_the_interface(kind):
+    import importlib
+    mod = importlib.import_module(f"kiln.backend.{kind}")  # cuda: imports without a GPU or CuPy
+    want = set(interface.exports(mod.captures_graphs))
+    assert len(want) == len(interface.exports(mod.captures_graphs)), "a name is declared twice"
+    assert set(mod.__all__) == want | set(interface.FACTS)
+    missing = {n for n in want if not callable(getattr(mod, n, None))}
+    assert not missing, f"kiln.backend.{kind} lacks {sorted(missing)}"
+    extra = defined_callables(mod) - want
+    assert not extra, f"kiln.backend.{kind} defines {sorted(extra)}, which the interface does not declare"
+    for fact in interface.FACTS:
+        assert hasattr(mod, fact), f"kiln.backend.{kind} lacks {fact}"
+    assert mod.name == kind
+
+
+def test_cpu_and_cuda_agree_except_for_graph_capture():
+    from kiln.backend import cpu, cuda
+    assert not cpu.captures_graphs and cuda.captures_graphs
+    assert set(cuda.__all__) - set(cpu.__all__) == set(interface.GRAPH_CAPTURE)
+
+
+def test_the_profiler_wraps_every_kernel_including_autograds_sums():
+    import numpy as np
+
+    import kiln
+    from kiln.profiler import Profiler
+    a = kiln.tensor(np.random.default_rng().standard_normal((4, 3)).astype(np.float32), requires_grad=True)
+    with Profiler(kiln.device("cpu")) as prof:
+        (a * a + a).sum().backward()  # a's gradient is the sum of three: autograd's `add` kernel
+    assert "add" in prof.summary()["kernels"]
+    from kiln.backend import cpu
+    assert all(getattr(cpu, name).__name__ != "timed" for name in interface.KERNELS)  # unwrapped after
+
+
+def test_only_the_backend_imports_cupy():
+    """No module outside kiln/backend/ imports cupy or cupyx (read from the source, and checked
+    by importing kiln's packages with cupy made unimportable)."""
+    from pathlib import Path
+
+    import kiln
+    root = Path(kiln.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if "backend" in path.relative_to(root).parts[:1]:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            words = line.strip().split()
+            if words[:1] in (["import"], ["from"]) and len(words) > 1 and words[1].split(".")[0] in ("cupy", "cupyx"):
+                offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not offenders, offenders
+    code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupyx'] = None\n"
+            "import kiln, kiln.train, kiln.cli, kiln.data.staging, kiln.checkpoint.async_save, kiln.profiler\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
