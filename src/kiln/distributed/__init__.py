@@ -8,6 +8,8 @@ Engines, not hand-written collectives (DESIGN.md, Distributed): NCCL through the
 `cupy.cuda.nccl` wrapper, MPI through mpi4py. See process_group.py for the collectives' meaning.
 """
 
+from kiln.distributed.buckets import Bucket, GradientBuckets
+from kiln.distributed.ddp import DistributedDataParallel
 from kiln.distributed.environment import Environment, detect
 from kiln.distributed.mesh import DeviceMesh
 from kiln.distributed.process_group import (
@@ -28,7 +30,25 @@ from kiln.distributed.work import Work
 from kiln.errors import DistributedError
 
 __all__ = [
-    "DeviceMesh", "DistributedError", "Environment", "ProcessGroup", "StoreServer", "TCPStore", "Work",
-    "all_reduce", "barrier", "broadcast", "destroy_process_group", "detect", "get_rank", "get_world",
-    "get_world_size", "init_process_group", "is_initialized", "new_group",
+    "Bucket",
+    "DeviceMesh",
+    "DistributedDataParallel",
+    "DistributedError",
+    "Environment",
+    "GradientBuckets",
+    "ProcessGroup",
+    "StoreServer",
+    "TCPStore",
+    "Work",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "detect",
+    "get_rank",
+    "get_world",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
 ]
