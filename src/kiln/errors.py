@@ -35,3 +35,7 @@ class NotBuiltError(KilnError, NotImplementedError):
 
 class GraphCaptureError(KilnError):
     """A step could not be recorded as a CUDA graph (a host sync or an uncapturable call inside it)."""
+
+
+class DistributedError(KilnError):
+    """A collective that failed or timed out (a dead or stalled rank), or a bad process-group call."""

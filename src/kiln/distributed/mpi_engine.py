@@ -1,0 +1,106 @@
+"""The MPI engine: collectives on CPU (NumPy) arrays through mpi4py, started by `mpiexec`.
+
+Every collective is MPI's non-blocking form (Iallreduce, Ireduce_scatter_block, ...), so a
+`Work` can poll it against the group's deadline: a dead or stalled peer becomes a clear
+DistributedError on every rank still running within the timeout, and MPI_Abort at exit tears
+the job down (kiln.distributed.work.fail). Without mpiexec, MPI starts as a singleton: world 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.distributed.work import Work, fail
+from kiln.errors import DistributedError, DTypeError
+
+REDUCIBLE = ("float32", "float64", "int8", "uint8", "int32", "int64")
+
+
+def mpi():
+    """mpi4py's MPI module (initialises MPI at first use)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise DistributedError(f"the mpi backend needs mpi4py and an MPI: pip install 'kiln[dist]' ({e})") from e
+    return MPI
+
+
+def _reducible(array) -> np.ndarray:
+    if np.dtype(array.dtype).name not in REDUCIBLE:
+        raise DTypeError(f"MPI cannot reduce {array.dtype}; allowed: {', '.join(REDUCIBLE)} "
+                         "(cast first, or use the nccl backend on a GPU)")
+    return array
+
+
+def _bytes(array) -> np.ndarray:
+    """The array's memory as bytes: MPI moves any dtype (bfloat16 too) when nothing is reduced."""
+    return array.reshape(-1).view(np.uint8)
+
+
+class MPIEngine:
+    device_type = "cpu"
+
+    def __init__(self, comm, timeout: float):
+        self.comm, self.timeout = comm, float(timeout)
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.broken = False
+
+    def _work(self, what: str, request, finish=None) -> Work:
+        if self.broken:
+            raise DistributedError(f"rank {self.rank}: this process group failed before; it cannot run {what}")
+        return Work(self, what, request.Test, finish)
+
+    def _op(self, op: str):
+        MPI = mpi()
+        return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}[op]
+
+    def all_reduce(self, array, op: str) -> Work:
+        MPI = mpi()
+        req = self.comm.Iallreduce(MPI.IN_PLACE, _reducible(array), op=self._op(op))
+        finish = (lambda: np.divide(array, self.size, out=array, casting="unsafe")) if op == "avg" else None
+        return self._work(f"all_reduce({op}) of {array.size} {array.dtype}", req, finish)
+
+    def reduce_scatter(self, output, input, op: str) -> Work:
+        req = self.comm.Ireduce_scatter_block(_reducible(input), output, op=self._op(op))
+        finish = (lambda: np.divide(output, self.size, out=output, casting="unsafe")) if op == "avg" else None
+        return self._work(f"reduce_scatter({op}) of {input.size} {input.dtype}", req, finish)
+
+    def all_gather(self, output, input) -> Work:
+        req = self.comm.Iallgather(_bytes(input), _bytes(output))
+        return self._work(f"all_gather of {input.size} {input.dtype}", req)
+
+    def broadcast(self, array, src: int) -> Work:
+        req = self.comm.Ibcast(_bytes(array), root=src)
+        return self._work(f"broadcast from {src} of {array.size} {array.dtype}", req)
+
+    def send(self, array, dst: int) -> Work:
+        return self._work(f"send to {dst} of {array.size} {array.dtype}", self.comm.Isend(_bytes(array), dest=dst))
+
+    def recv(self, array, src: int) -> Work:
+        return self._work(f"recv from {src} of {array.size} {array.dtype}", self.comm.Irecv(_bytes(array), source=src))
+
+    def barrier(self) -> Work:
+        return self._work("barrier", self.comm.Ibarrier())
+
+    def exchange(self, obj) -> list:
+        """Every rank's obj (small, picklable), in rank order: for agreeing on sub-groups and ids."""
+        return self.comm.allgather(obj)
+
+    def split(self, color, key: int):
+        MPI = mpi()
+        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else MPIEngine(sub, self.timeout)
+
+    def error(self):
+        return None  # MPI reports a failed peer by aborting the job; a stalled one by our timeout
+
+    def timed_out(self, what: str) -> DistributedError:
+        return fail(self, f"rank {self.rank} of {self.size}: {what} did not complete within "
+                          f"{self.timeout:g} s: a peer rank is dead or stalled (the timeout is "
+                          "init_process_group(timeout=) or KILN_DIST_TIMEOUT); aborting the job")
+
+    def order_after(self, work) -> None:  # CPU work is complete when waited
+        raise AssertionError("MPI work has no event")
+
+    def abort(self) -> None:
+        mpi().COMM_WORLD.Abort(1)
