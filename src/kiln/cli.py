@@ -64,7 +64,7 @@ def _sample(args) -> int:
     import numpy as np
 
     import kiln
-    from kiln.train import load_run
+    from kiln.checkpoint.run_folder import load_run
     model, tok, _ = load_run(args.run_dir)
     ids = tok.encode(args.prompt) or [0]
     out = model.generate(kiln.tensor([ids]), args.tokens, temperature=args.temperature,
@@ -76,7 +76,7 @@ def _sample(args) -> int:
 
 def _export(args) -> int:
     from kiln.checkpoint import export_hf
-    from kiln.train import load_run
+    from kiln.checkpoint.run_folder import load_run
     if args.format != "hf":
         raise ConfigError(f"--format {args.format!r}: allowed: hf")
     model, _, _ = load_run(args.run_dir)

@@ -198,18 +198,13 @@ def import_hf(folder, pad_vocab_to: int | None = None, device: str = "cpu", dtyp
 def import_hf_run(hf_dir, run_dir, pad_vocab_to: int | None = None) -> Path:
     """A kiln run folder (config.json, model.safetensors, the tokenizer file if the HF folder has
     one) from an HF GPT-2 folder: `kiln sample` reads it, `kiln train --init-from` fine-tunes it."""
-    from safetensors.numpy import save as st_save
-    import kiln
+    from kiln.checkpoint.run_folder import WEIGHTS, save_weights, write_config
     model = import_hf(hf_dir, pad_vocab_to=pad_vocab_to)
     run = Path(run_dir)
     if run.exists() and any(run.iterdir()):
         raise CheckpointError(f"--out {run}: the folder exists and is not empty; choose a new one")
     run.mkdir(parents=True, exist_ok=True)
-    with atomic_file(run / "model.safetensors") as f:
-        f.write(st_save({n: np.ascontiguousarray(p.numpy()) for n, p in model.named_parameters()}))
-    with atomic_file(run / "config.json") as f:
-        f.write(json.dumps({"model": dataclasses.asdict(model.config), "train": None,
-                            "imported_from": str(Path(hf_dir).resolve()), "kiln": kiln.__version__},
-                           indent=2).encode())
+    save_weights(run / WEIGHTS, model)
+    write_config(run, model.config, None, imported_from=str(Path(hf_dir).resolve()))
     _copy_tokenizer(hf_dir, run)
     return run

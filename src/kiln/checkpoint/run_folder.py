@@ -1,25 +1,41 @@
-"""A run's checkpoints folder: step-numbered files, the last K kept, `latest.json` naming the newest
-good one; resume falls back to the previous good file when the newest is corrupt.
+"""A run folder, written one way (by the Trainer and by `kiln import`) and read one way:
 
+    runs/r/config.json            {"train": TrainConfig or null, "model": GPTConfig, ..., "kiln": version}
+    runs/r/model.safetensors      the final weights (an interrupted run has only checkpoints)
+    runs/r/metrics.jsonl          one JSON row per step; loss.png plots it
+    runs/r/tokenizer.json ...     the tokenizer (kiln.data.tokenizer), sample.txt, summary.json
     runs/r/checkpoints/ckpt-00000200.kiln
     runs/r/checkpoints/ckpt-00000300.kiln
     runs/r/checkpoints/latest.json        {"file": "ckpt-00000300.kiln", "step": 300, ...}
 
-The pointer moves only after a file is completely written, fsync'd and renamed, and older files
-are pruned only after that, so the previous good checkpoint is never lost (even with K = 1, the
-old file goes only once the new one is in place).
+`CheckpointFolder` keeps the last K checkpoints with `latest.json` naming the newest good one;
+resume falls back to the previous good file when the newest is corrupt. The pointer moves only
+after a file is completely written, fsync'd and renamed, and older files are pruned only after
+that, so the previous good checkpoint is never lost (even with K = 1, the old file goes only
+once the new one is in place). `load_run` and `load_pretrained` read a run folder back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
-from kiln.checkpoint.format import SUFFIX, CheckpointError, atomic_file, load
+import numpy as np
 
+from kiln.checkpoint.format import SUFFIX, CheckpointError, atomic_file, load
+from kiln.errors import ConfigError, DataError
+from kiln.nn import GPT, GPTConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+METRICS = "metrics.jsonl"
+LOSS_PLOT = "loss.png"
+CHECKPOINTS = "checkpoints"
 POINTER = "latest.json"
 _NAME = re.compile(r"^ckpt-(\d{8,})" + re.escape(SUFFIX) + "$")
 
@@ -104,3 +120,100 @@ class CheckpointFolder:
             raise CheckpointError(f"{self.folder} holds no checkpoints (ckpt-NNNNNNNN{SUFFIX}); "
                                   "nothing to resume from")
         raise CheckpointError(f"no good checkpoint in {self.folder}: " + "; ".join(failures))
+
+
+def new_run_dir(out_dir, name: str | None, model: str) -> Path:
+    """A new, empty run folder out_dir/name (default: the model and the time); -2, -3, ... when taken."""
+    name = name or f"{model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run = Path(out_dir) / name
+    n = 1
+    while run.exists():
+        n += 1
+        run = Path(out_dir) / f"{name}-{n}"
+    run.mkdir(parents=True)
+    return run
+
+
+def write_config(run: Path, model_config, train: dict | None, **extra) -> None:
+    """config.json: the model's GPTConfig, the TrainConfig as a dict (None for an imported model),
+    any further facts (data, device, imported_from) and kiln's version."""
+    import kiln
+    with atomic_file(Path(run) / CONFIG) as f:
+        f.write(json.dumps({"train": train, "model": dataclasses.asdict(model_config), **extra,
+                            "kiln": kiln.__version__}, indent=2).encode())
+
+
+def save_weights(path: Path, model) -> None:
+    """The model's parameters as one safetensors file (what load_run and `kiln export` read)."""
+    from safetensors.numpy import save as st_save
+    with atomic_file(Path(path)) as f:
+        f.write(st_save({name: np.ascontiguousarray(p.numpy()) for name, p in model.named_parameters()}))
+
+
+def logged_rows(metrics: Path, step: int) -> list[dict]:
+    """The metrics rows up to `step` (a resumed run's); later ones, of steps to be redone, are dropped."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+        if metrics.is_file() else []
+    rows = [r for r in rows if r["step"] <= step]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def load_pretrained(path) -> GPT:
+    """A GPT (on the CPU) from a kiln run folder or a Hugging Face GPT-2 folder, for init_from."""
+    folder = Path(path)
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"init_from {str(folder)!r}: not a kiln run or Hugging Face folder "
+                          "(no readable config.json)") from None
+    if config.get("model_type") == "gpt2":
+        from kiln.checkpoint.hf import import_hf
+        return import_hf(folder)
+    return load_run(folder)[0]
+
+
+def load_run(run_dir) -> tuple[GPT, object, dict]:
+    """(model, tokenizer, config) of a finished run folder, on the CPU."""
+    from safetensors.numpy import load_file
+    from kiln.data.tokenizer import load_tokenizer
+    run = Path(run_dir)
+    checkpoints = run / CHECKPOINTS
+    for name in (CONFIG, WEIGHTS):
+        if not (run / name).is_file() and not (name == WEIGHTS and checkpoints.is_dir()):
+            raise DataError(f"{run} is not a finished kiln run: it has no {name}")
+    config = json.loads((run / CONFIG).read_text())
+    model = GPT(GPTConfig(**config["model"]))
+    if (run / WEIGHTS).is_file():
+        weights = load_file(str(run / WEIGHTS))
+    else:  # an interrupted run: the weights of its newest good checkpoint
+        weights = CheckpointFolder(checkpoints).load_latest()[0]["model"]
+    model.to(dtype=next(iter(weights.values())).dtype)
+    model.load_state_dict(weights)
+    return model, load_tokenizer(run), config
+
+
+def plot_losses(history, path: Path, entropy: float | None = None) -> None:
+    """Train loss per step and validation loss per evaluation, to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], lw=1, label="train loss")
+    ev = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="validation loss")
+    if entropy is not None:
+        ax.axhline(entropy, color="gray", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def jsonable(d: dict) -> dict:
+    """A dataclass's asdict() as config.json holds it (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

@@ -107,3 +107,13 @@ def open_shard(path) -> np.ndarray:
     mapped = np.memmap(header.path, dtype=header.dtype, mode="r", offset=HEADER_BYTES,
                        shape=(header.num_tokens,))
     return np.asarray(mapped)  # a plain ndarray view: slicing it costs less than slicing a memmap
+
+
+def unigram_entropy(paths, vocab_size: int) -> float:
+    """Entropy (nats/token) of the token frequencies in these shards: the loss of a model that
+    ignores context, the bar a trained model must get well under."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for path in paths:
+        counts += np.bincount(np.asarray(open_shard(path)), minlength=vocab_size)[:vocab_size]
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

@@ -1,13 +1,11 @@
-"""The one training loop, shared by `kiln train` and the Python API.
+"""The Trainer: the one training loop, shared by `kiln train` and the Python API.
 
-    from kiln.train import TrainConfig, Trainer
-    summary = Trainer(TrainConfig(model="tiny", max_steps=200)).fit()
-
-A Trainer checks its whole configuration before it writes anything, then trains with AdamW
-(warm-up + cosine schedule, global-norm clipping, gradient accumulation), evaluates on the
-held-out split, and fills one run folder: config.json, metrics.jsonl, loss.png, model
-weights, the tokenizer, a sample and checkpoints/ (kiln.checkpoint: the whole state, so
-`Trainer.from_checkpoint` / `kiln train --resume` continue bit for bit; SIGINT/SIGTERM save first).
+A Trainer checks its whole configuration (kiln.train.config) before it writes anything, then
+trains with AdamW (warm-up + cosine schedule, global-norm clipping, gradient accumulation),
+evaluates on the held-out split, and fills one run folder (kiln.checkpoint.run_folder: config.json,
+metrics.jsonl, loss.png, model weights, the tokenizer, a sample and checkpoints/ with the whole
+state, so `Trainer.from_checkpoint` / `kiln train --resume` continue bit for bit; SIGINT/SIGTERM
+save first).
 """
 
 from __future__ import annotations
@@ -15,131 +13,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import shutil
 import signal
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 import kiln
-from kiln.backend import cuda_is_available, device as parse_device
+from kiln.backend import device as parse_device
+from kiln.checkpoint.run_folder import (
+    METRICS, LOSS_PLOT, WEIGHTS, jsonable, load_pretrained, logged_rows, new_run_dir, plot_losses,
+    save_weights, write_config,
+)
+from kiln.data.corpus import bundled_dataset
+from kiln.data.shards import unigram_entropy
 from kiln.errors import ConfigError, DataError
 from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
-
-PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
-
-
-@dataclass
-class TrainConfig:
-    model: str = "tiny"                      # a preset name (kiln.nn.PRESETS)
-    model_overrides: dict = field(default_factory=dict)
-    data: str | None = None                  # a folder made by `kiln prepare`; None: the bundled corpus
-    out_dir: str = "runs"
-    run_name: str | None = None
-    device: str = "auto"                     # auto: cuda when there is a GPU, else cpu
-    precision: str = "fp32"
-    batch_size: int = 16
-    seq_len: int | None = None               # default: the model's context
-    grad_accum: int = 1
-    max_steps: int = 600
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int = 40
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    eval_interval: int = 100
-    eval_iters: int = 20
-    seed: int = 1337
-    sample_tokens: int = 300
-    sample_prompt: str = "The "
-    progress: bool = True
-    profile: bool = False                    # profile steps 3-5: trace.json + profile.txt in the run
-    checkpoint_interval: int = 0             # checkpoint every N steps; 0: only at the end (and on SIGINT/SIGTERM)
-    keep_checkpoints: int = 3                # the run folder keeps the newest K checkpoints
-    async_checkpoint: bool = True            # write checkpoints on a background thread
-    init_from: str | None = None             # start from these weights: a kiln run or a Hugging Face GPT-2 folder
-    cuda_graph: bool = True                  # on CUDA, replay each step from the third as one captured CUDA graph
-
-    def validate(self) -> None:
-        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
-            raise ConfigError(f"seq_len must be a positive integer, got {self.seq_len!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError(f"grad_clip and weight_decay must be >= 0, got {self.grad_clip}, {self.weight_decay}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"unknown precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
-        if self.sample_tokens < 0:
-            raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
-        if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 0:
-            raise ConfigError(f"checkpoint_interval must be an integer >= 0 (0: only at the end), "
-                              f"got {self.checkpoint_interval!r}")
-        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
-            raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {self.keep_checkpoints!r}")
-
-
-def resolve_device(name: str):
-    if name == "auto":
-        return parse_device("cuda" if cuda_is_available() else "cpu")
-    dev = parse_device(name)
-    dev.backend  # raises a DeviceError naming what is missing for cuda
-    return dev
-
-
-def apply_precision(model, precision: str, device) -> None:
-    """fp32: strict fp32 GEMMs; tf32: fp32 tensors, tf32 tensor-core GEMMs (GPU only); bf16: bf16
-    activations and GEMM operands over fp32 master weights and optimizer state; fp64: float64."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
-    if precision == "tf32" and "tf32" not in device.backend.MATMUL_PRECISIONS:
-        raise ConfigError("precision tf32 is a GPU mode (tensor-core GEMMs); on the CPU use fp32")
-    model.compute_dtype = kiln.bfloat16 if precision == "bf16" else None
-    device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
-
-
-def bundled_dataset() -> Path:
-    """The bundled corpus as byte-level shards, prepared once into kiln's cache folder."""
-    from kiln.data.corpus import BUNDLED_TEXT
-    from kiln.data.prepare import prepare
-    cache = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
-    digest = f"{kiln.__version__}-{BUNDLED_TEXT.stat().st_size}-{int(BUNDLED_TEXT.stat().st_mtime)}"
-    out = cache / f"bundled-bytes-{digest}"
-    if not (out / "meta.json").is_file():
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        prepare([BUNDLED_TEXT], tmp, tokenizer="bytes", val_fraction=0.1, progress=False)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process prepared it first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def unigram_entropy(paths, vocab_size: int) -> float:
-    """Entropy (nats/token) of the token frequencies in these shards: the loss of a model that
-    ignores context, the bar a trained model must get well under."""
-    from kiln.data.shards import open_shard
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for path in paths:
-        counts += np.bincount(np.asarray(open_shard(path)), minlength=vocab_size)[:vocab_size]
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
+from kiln.train.config import RESUME_OVERRIDES, TrainConfig, apply_precision, resolve_device
 
 class Trainer:
     def __init__(self, config: TrainConfig):
@@ -268,36 +162,24 @@ class Trainer:
         return self.tokenizer.decode(out.numpy()[0].tolist())
 
     # ------------------------------------------------------------------ the run
-    def _make_run_dir(self) -> Path:
-        c = self.config
-        name = c.run_name or f"{c.model}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run = Path(c.out_dir) / name
-        n = 1
-        while run.exists():
-            n += 1
-            run = Path(c.out_dir) / f"{name}-{n}"
-        run.mkdir(parents=True)
-        return run
-
     def fit(self) -> dict:
         """Train for max_steps, evaluating every eval_interval steps; returns the run's summary."""
         from tqdm import tqdm
         c = self.config
         resumed = self.run_dir is not None  # Trainer.from_checkpoint: continue that run folder
         if not resumed:
-            self.run_dir = self._make_run_dir()
+            self.run_dir = new_run_dir(c.out_dir, c.run_name, c.model)
             self.tokenizer.save(self.run_dir)
-            (self.run_dir / "config.json").write_text(json.dumps(
-                {"train": _jsonable(dataclasses.asdict(c)), "model": dataclasses.asdict(self.model_config),
-                 "data": str(self.data_dir), "device": str(self.device), "kiln": kiln.__version__}, indent=2))
+            write_config(self.run_dir, self.model_config, jsonable(dataclasses.asdict(c)),
+                         data=str(self.data_dir), device=str(self.device))
         run = self.run_dir
         entropy = unigram_entropy(self.train_loader.paths, self.tokenizer.vocab_size)
         tokens_per_step = c.batch_size * self.seq_len * c.grad_accum
-        history = self._logged_rows(run / "metrics.jsonl") if resumed else []
+        history = logged_rows(run / METRICS, self.step) if resumed else []
         evals = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
         checkpoints, saver, saved = self._checkpointing(run)
         start = time.perf_counter()
-        with open(run / "metrics.jsonl", "a" if resumed else "w") as log, self._stop_on_signals(), \
+        with open(run / METRICS, "a" if resumed else "w") as log, self._stop_on_signals(), \
                 tqdm(total=c.max_steps, initial=self.step, disable=not c.progress, unit="step",
                      dynamic_ncols=True) as bar:
             while self.step < c.max_steps and self.stop_signal is None:
@@ -332,12 +214,12 @@ class Trainer:
                 saver.wait()
         elapsed = time.perf_counter() - start
         if self.stop_signal is not None:
-            plot_losses(history, run / "loss.png", entropy)
+            plot_losses(history, run / LOSS_PLOT, entropy)
             return {"run_dir": str(run), "steps": self.step, "interrupted": signal.Signals(self.stop_signal).name,
                     "checkpoint": str(checkpoints.path_for(self.step)) if self.step else None, "elapsed_s": elapsed,
                     "final_train_loss": self.last_loss}
-        self.save_weights(run / "model.safetensors")
-        plot_losses(history, run / "loss.png", entropy)
+        self.save_weights(run / WEIGHTS)
+        plot_losses(history, run / LOSS_PLOT, entropy)
         text = self.sample(c.sample_prompt, c.sample_tokens) if c.sample_tokens else ""
         (run / "sample.txt").write_text(text)
         steady = [r["tokens_per_s"] for r in history[len(history) // 5:]] or [history[-1]["tokens_per_s"]]
@@ -361,9 +243,7 @@ class Trainer:
         return row
 
     def save_weights(self, path: Path) -> None:
-        from safetensors.numpy import save_file
-        save_file({name: np.ascontiguousarray(p.numpy()) for name, p in self.model.named_parameters()},
-                  str(path))
+        save_weights(path, self.model)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -384,7 +264,7 @@ class Trainer:
                 "loaders": {"train": self.train_loader.state_dict(), "val": self.val_loader.state_dict()},
                 "rng": {"default": {d: default_generator(d).get_state() for d in devices},
                         "sample": self.sample_rng.bit_generator.state},
-                "config": {"train": _jsonable(dataclasses.asdict(self.config)),
+                "config": {"train": jsonable(dataclasses.asdict(self.config)),
                            "model": dataclasses.asdict(self.model_config)}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -472,14 +352,6 @@ class Trainer:
         checkpoints.prepare()
         return checkpoints, AsyncSaver() if self.config.async_checkpoint else None, self.step
 
-    def _logged_rows(self, metrics: Path) -> list[dict]:
-        """The metrics rows up to this (resumed) step; later ones, of steps to be redone, are dropped."""
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
-            if metrics.is_file() else []
-        rows = [r for r in rows if r["step"] <= self.step]
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return rows
-
     @contextlib.contextmanager
     def _stop_on_signals(self):
         """SIGINT/SIGTERM during fit() finish the step, save and return; a second SIGINT raises
@@ -499,70 +371,3 @@ class Trainer:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-
-
-RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints",
-                    "async_checkpoint", "eval_interval", "sample_tokens")
-
-
-def load_pretrained(path) -> GPT:
-    """A GPT (on the CPU) from a kiln run folder or a Hugging Face GPT-2 folder, for init_from."""
-    folder = Path(path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"init_from {str(folder)!r}: not a kiln run or Hugging Face folder "
-                          "(no readable config.json)") from None
-    if config.get("model_type") == "gpt2":
-        from kiln.checkpoint import import_hf
-        return import_hf(folder)
-    return load_run(folder)[0]
-
-
-def load_run(run_dir) -> tuple[GPT, object, dict]:
-    """(model, tokenizer, config) of a finished run folder, on the CPU."""
-    from safetensors.numpy import load_file
-    from kiln.data.tokenizer import load_tokenizer
-    run = Path(run_dir)
-    checkpoints = run / "checkpoints"
-    for name in ("config.json", "model.safetensors"):
-        if not (run / name).is_file() and not (name == "model.safetensors" and checkpoints.is_dir()):
-            raise DataError(f"{run} is not a finished kiln run: it has no {name}")
-    config = json.loads((run / "config.json").read_text())
-    model = GPT(GPTConfig(**config["model"]))
-    if (run / "model.safetensors").is_file():
-        weights = load_file(str(run / "model.safetensors"))
-    else:  # an interrupted run: the weights of its newest good checkpoint
-        from kiln.checkpoint import CheckpointFolder
-        weights = CheckpointFolder(checkpoints).load_latest()[0]["model"]
-    model.to(dtype=next(iter(weights.values())).dtype)
-    model.load_state_dict(weights)
-    return model, load_tokenizer(run), config
-
-
-def plot_losses(history, path: Path, entropy: float | None = None) -> None:
-    """Train loss per step and validation loss per evaluation, to a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot([r["step"] for r in history], [r["loss"] for r in history], lw=1, label="train loss")
-    ev = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
-    if ev:
-        ax.plot(*zip(*ev), "o-", label="validation loss")
-    if entropy is not None:
-        ax.axhline(entropy, color="gray", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _jsonable(d: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-
-
-__all__ = ["TrainConfig", "Trainer", "load_run", "load_pretrained", "plot_losses", "unigram_entropy"]

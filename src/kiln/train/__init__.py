@@ -1,0 +1,15 @@
+"""Training: `TrainConfig` and its checks (config.py), the `Trainer` loop (trainer.py).
+
+    from kiln.train import TrainConfig, Trainer
+    summary = Trainer(TrainConfig(model="tiny", max_steps=200)).fit()
+
+The run folder a Trainer fills is kiln.checkpoint.run_folder's (load_run, load_pretrained).
+"""
+
+from kiln.checkpoint.run_folder import load_pretrained, load_run, plot_losses
+from kiln.data.shards import unigram_entropy
+from kiln.train.config import TrainConfig, apply_precision, resolve_device
+from kiln.train.trainer import Trainer
+
+__all__ = ["TrainConfig", "Trainer", "apply_precision", "resolve_device", "load_run", "load_pretrained",
+           "plot_losses", "unigram_entropy"]

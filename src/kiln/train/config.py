@@ -1,0 +1,96 @@
+"""A training run's configuration and its checks: `TrainConfig` (every knob of `kiln train`), the
+device it names and the precision it sets (paper §5: fp32, tf32, bf16 over fp32 masters, fp64).
+A bad value is a ConfigError before anything is written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import kiln
+from kiln.backend import cuda_is_available, device as parse_device
+from kiln.errors import ConfigError
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"                      # a preset name (kiln.nn.PRESETS)
+    model_overrides: dict = field(default_factory=dict)
+    data: str | None = None                  # a folder made by `kiln prepare`; None: the bundled corpus
+    out_dir: str = "runs"
+    run_name: str | None = None
+    device: str = "auto"                     # auto: cuda when there is a GPU, else cpu
+    precision: str = "fp32"
+    batch_size: int = 16
+    seq_len: int | None = None               # default: the model's context
+    grad_accum: int = 1
+    max_steps: int = 600
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    eval_interval: int = 100
+    eval_iters: int = 20
+    seed: int = 1337
+    sample_tokens: int = 300
+    sample_prompt: str = "The "
+    progress: bool = True
+    profile: bool = False                    # profile steps 3-5: trace.json + profile.txt in the run
+    checkpoint_interval: int = 0             # checkpoint every N steps; 0: only at the end (and on SIGINT/SIGTERM)
+    keep_checkpoints: int = 3                # the run folder keeps the newest K checkpoints
+    async_checkpoint: bool = True            # write checkpoints on a background thread
+    init_from: str | None = None             # start from these weights: a kiln run or a Hugging Face GPT-2 folder
+    cuda_graph: bool = True                  # on CUDA, replay each step from the third as one captured CUDA graph
+
+    def validate(self) -> None:
+        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
+            raise ConfigError(f"seq_len must be a positive integer, got {self.seq_len!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError(f"grad_clip and weight_decay must be >= 0, got {self.grad_clip}, {self.weight_decay}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
+        if self.sample_tokens < 0:
+            raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 0:
+            raise ConfigError(f"checkpoint_interval must be an integer >= 0 (0: only at the end), "
+                              f"got {self.checkpoint_interval!r}")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {self.keep_checkpoints!r}")
+
+
+def resolve_device(name: str):
+    if name == "auto":
+        return parse_device("cuda" if cuda_is_available() else "cpu")
+    dev = parse_device(name)
+    dev.backend  # raises a DeviceError naming what is missing for cuda
+    return dev
+
+
+def apply_precision(model, precision: str, device) -> None:
+    """fp32: strict fp32 GEMMs; tf32: fp32 tensors, tf32 tensor-core GEMMs (GPU only); bf16: bf16
+    activations and GEMM operands over fp32 master weights and optimizer state; fp64: float64."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if precision == "tf32" and "tf32" not in device.backend.MATMUL_PRECISIONS:
+        raise ConfigError("precision tf32 is a GPU mode (tensor-core GEMMs); on the CPU use fp32")
+    model.compute_dtype = kiln.bfloat16 if precision == "bf16" else None
+    device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
+
+
+
+
+RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints",
+                    "async_checkpoint", "eval_interval", "sample_tokens")
