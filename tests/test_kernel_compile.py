@@ -2,8 +2,8 @@
 
 Runs in CI on the CPU machine: NVRTC (cuda-bindings + nvidia-cuda-nvrtc) and the CUDA headers
 (nvidia-cuda-runtime) are all it needs. Each family is compiled with exactly the template
-instantiations the backend launches (compiler.FAMILIES), with `--ptxas-options=-v`, and the
-log is checked per kernel: no spill stores or loads and no stack frame.
+instantiations its launcher module registers (compiler.FAMILIES, filled by kiln/backend/cuda/<family>.py),
+with `--ptxas-options=-v`, and the log is checked per kernel: no spill stores or loads and no stack frame.
 """
 
 from __future__ import annotations
@@ -29,6 +29,20 @@ if not _headers_present():
 def test_every_kernel_file_is_a_registered_family():
     on_disk = {p.name for p in KERNEL_DIR.glob("*.cu")}
     assert on_disk == set(FAMILIES), f"kernels/ has {sorted(on_disk)}, FAMILIES lists {sorted(FAMILIES)}"
+
+
+def test_block_constants_are_defined_once_in_python():
+    """A constant both the launcher and its kernel use (rows per block, tile sizes) is passed as -D
+    from the family module: the source uses it and does not define it (nor a fallback value)."""
+    sources = {f: (KERNEL_DIR / f).read_text() for f in FAMILIES}
+    headers = "".join(p.read_text() for p in KERNEL_DIR.glob("*.cuh"))
+    assert compiler.DEFINES["layer_norm.cu"] == {"KILN_LN_WARPS": 8}
+    for family, defines in compiler.DEFINES.items():
+        options = compiler.nvrtc_options(ARCH, family=family)
+        for name, value in defines.items():
+            assert name in sources[family], f"{family} does not use {name}"
+            assert f"#define {name}" not in sources[family] + headers and f"#ifndef {name}" not in sources[family]
+            assert f"-D{name}={value}" in options
 
 
 @pytest.fixture(scope="module")

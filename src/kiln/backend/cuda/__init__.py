@@ -27,6 +27,7 @@ from kiln.backend.cuda.cublaslt import (
     set_matmul_precision,
 )
 from kiln.backend.cuda.device import ensure_available, stream, synchronize
+from kiln.backend.cuda.dropout import dropout_fwd
 from kiln.backend.cuda.elementwise import add, cast
 from kiln.backend.cuda.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cuda.gelu import gelu_bwd, gelu_fwd
@@ -38,14 +39,7 @@ from kiln.backend.cuda.layer_norm import (
     layer_norm_fwd,
 )
 from kiln.backend.cuda.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
-from kiln.backend.cuda.rng import (
-    dropout_fwd,
-    generator_state,
-    new_generator,
-    rng_normal,
-    rng_uniform,
-    set_generator_state,
-)
+from kiln.backend.cuda.random import generator_state, new_generator, rng_normal, rng_uniform, set_generator_state
 from kiln.backend.cuda.softmax import (
     log_softmax_bwd,
     log_softmax_fwd,

@@ -19,9 +19,14 @@ import numpy as np
 from kiln.backend.cpu import adamw as cpu
 from kiln.backend.cuda import allocator
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import f32, get_kernel, i32, i64
-from kiln.backend.cuda.launch import ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import ctype, f32, get_kernel, i32, i64
 from kiln.errors import KilnError
+
+register_family("adamw.cu", [f"adamw_multi<{p}, {g}>" for p, g in (("float", "float"), ("__nv_bfloat16", "__nv_bfloat16"),
+                                                                 ("__half", "__half"), ("float", "__nv_bfloat16"))]
+                + [f"sumsq_multi<{t}>" for t in FLOAT_CTYPES] + ["sumsq_finish", "adamw_set_hyper"]
+                + [f"scale_multi<{t}>" for t in FLOAT_CTYPES])
 
 CHUNK = 16384  # elements per block: 256 threads x 4-element vectors x 16 iterations
 THREADS = 256

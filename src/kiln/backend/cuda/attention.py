@@ -14,18 +14,33 @@ c_proj reads is then a free reshape.
 
 from __future__ import annotations
 
-import numpy as np
-
 from kiln.backend.cpu import attention as cpu
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import ATTENTION_HEAD_DIMS, f32, get_kernel, i32, i64
-from kiln.backend.cuda.launch import cdiv, cpu_fallback, ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import cdiv, cpu_fallback, ctype, f32, get_kernel, i32, i64
 from kiln.errors import ShapeError
 
+ATTENTION_HEAD_DIMS = (32, 64, 128)
+TC_ROWS = 64  # rows per block in every tensor-core kernel: 4 warps x 16 (kTcRows)
+TC_THREADS = 128  # tensor-core kernels: 4 warps (kAttnThreads)
+F32_THREADS = 64  # float32 kernels (kF32Threads)
 
-TC_ROWS = 64  # kTcRows in attention.cu
-TC_THREADS = 128  # kAttnThreads
-F32_THREADS = 64  # kF32Threads
+
+def _instantiations():
+    # float32 runs on the CUDA cores (strict fp32); bfloat16 and float16 on the tensor cores.
+    out = []
+    for d in ATTENTION_HEAD_DIMS:
+        out += [f"attention_fwd<float, {d}>", f"attention_bwd_dkdv<float, {d}>",
+                f"attention_bwd_dq<float, {d}>"]
+        for t in FLOAT_CTYPES[1:]:
+            out += [f"attention_fwd_tc<{t}, {d}>", f"attention_bwd_dkdv_tc<{t}, {d}>",
+                    f"attention_bwd_dq_tc<{t}, {d}>"]
+        out += [f"attention_bwd_delta<{t}, {d}>" for t in FLOAT_CTYPES]
+    return out
+
+
+register_family("attention.cu", _instantiations(), defines={
+    "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS})
 
 
 def _tensor_cores(t: str) -> bool:

@@ -1,9 +1,11 @@
-"""NVRTC compilation of kiln's kernel families, a disk cache of the cubins, and kernel launch.
+"""NVRTC compilation of kiln's kernel families and a disk cache of the cubins.
 
 Each `kernels/<family>.cu` is compiled once per process and device architecture, with the
-template instantiations listed in `FAMILIES` (compile-time specialisation on dtype and on
-shapes, as the paper does). Cubins are cached on disk under a hash of the source, the shared
-headers, the options and the NVRTC version, so a second process loads instead of compiling.
+template instantiations and block constants that its launcher module (`<family>.py` beside it)
+registers with `register_family` (compile-time specialisation on dtype and on shapes, as the
+paper does; a constant both sides use is defined once, in Python, and passed as `-D`). Cubins
+are cached on disk under a hash of the source, the shared headers, the options and the NVRTC
+version, so a second process loads instead of compiling. Launching is launch.py's.
 The same `compile_family` runs on a CPU-only machine (tests/test_kernel_compile.py) to catch
 compile errors and register spills before any device time is spent.
 """
@@ -14,10 +16,7 @@ import hashlib
 import json
 import os
 import re
-import threading
 from pathlib import Path
-
-import numpy as np
 
 from kiln.errors import KilnError
 
@@ -27,72 +26,19 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 CTYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}
 IDX_CTYPES = {"int64": "long long", "int32": "int"}
 
-_F = ("float", "__nv_bfloat16", "__half")
-_IDX = ("long long", "int")
-# LayerNorm widths compiled with the row held in registers; others take the generic kernel.
-LAYER_NORM_WIDTHS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
-# The backward holds four row-sized register arrays, so it is specialised only up to 1024.
-LAYER_NORM_BWD_WIDTHS = (256, 512, 768, 1024)
-# The forward of the residual add fused with a LayerNorm (add_layer_norm_fwd_reg) also holds the
-# row, plus a second input in flight: at 4096 the fp16 instantiation spills (224 bytes), so
-# 4096 takes the generic kernel. Its backward is layer_norm_bwd_reg's, widths as above.
-ADD_LAYER_NORM_WIDTHS = tuple(c for c in LAYER_NORM_WIDTHS if c <= 3072)
-ATTENTION_HEAD_DIMS = (32, 64, 128)
+FLOAT_CTYPES = ("float", "__nv_bfloat16", "__half")
+INDEX_CTYPES = ("long long", "int")
+
+# family file -> the name expressions its launcher launches, and the -D constants it compiles
+# with; filled by each family module's register_family (importing kiln.backend.cuda loads all).
+FAMILIES: dict[str, list[str]] = {}
+DEFINES: dict[str, dict[str, int]] = {}
 
 
-def _layer_norm_exprs():
-    # layer_norm_* and add_layer_norm_* (the residual add fused with the LayerNorm after it);
-    # dweight/dbias of both go through layer_norm_dwdb_*.
-    out = []
-    for t in _F:
-        for c in LAYER_NORM_WIDTHS:
-            if c % (32 * (16 // (4 if t == "float" else 2))) == 0:
-                out.append(f"layer_norm_fwd_reg<{t}, {c}>")
-                if c in ADD_LAYER_NORM_WIDTHS:
-                    out.append(f"add_layer_norm_fwd_reg<{t}, {c}>")
-                if c in LAYER_NORM_BWD_WIDTHS:
-                    out += [f"layer_norm_bwd_reg<{t}, {c}>", f"add_layer_norm_bwd_reg<{t}, {c}>"]
-        out += [f"layer_norm_fwd_any<{t}>", f"layer_norm_bwd_any<{t}>", f"add_layer_norm_fwd_any<{t}>",
-                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>", f"layer_norm_dwdb_finish<{t}>"]
-    return out
-
-
-def _attention_exprs():
-    # float32 runs on the CUDA cores (strict fp32); bfloat16 and float16 on the tensor cores.
-    out = []
-    for d in ATTENTION_HEAD_DIMS:
-        out += [f"attention_fwd<float, {d}>", f"attention_bwd_dkdv<float, {d}>",
-                f"attention_bwd_dq<float, {d}>"]
-        for t in _F[1:]:
-            out += [f"attention_fwd_tc<{t}, {d}>", f"attention_bwd_dkdv_tc<{t}, {d}>",
-                    f"attention_bwd_dq_tc<{t}, {d}>"]
-        out += [f"attention_bwd_delta<{t}, {d}>" for t in _F]
-    return out
-
-
-# family file -> name expressions the backend launches (the compile test instantiates these).
-FAMILIES = {
-    "gelu.cu": [f"gelu_fwd<{t}>" for t in _F] + [f"gelu_bwd<{t}>" for t in _F],
-    "layer_norm.cu": _layer_norm_exprs(),
-    "softmax.cu": [f"{k}<{t}>" for k in ("softmax_fwd", "softmax_bwd", "log_softmax_fwd",
-                                         "log_softmax_bwd") for t in _F],
-    "cross_entropy.cu": ([f"cross_entropy_fwd<{t}, {i}>" for t in _F for i in _IDX]
-                         + [f"cross_entropy_bwd<{t}, {i}>" for t in _F for i in _IDX]
-                         + [f"cross_entropy_count<{i}>" for i in _IDX]
-                         + ["cross_entropy_mean"]),
-    "attention.cu": _attention_exprs(),
-    "embedding.cu": ([f"embedding_fwd<{t}, {i}>" for t in _F for i in _IDX]
-                     + [f"embedding_bwd<{t}, {i}>" for t in _F for i in _IDX]),
-    "adamw.cu": ([f"adamw_multi<{p}, {g}>" for p, g in (("float", "float"),
-                                                          ("__nv_bfloat16", "__nv_bfloat16"),
-                                                          ("__half", "__half"),
-                                                          ("float", "__nv_bfloat16"))]
-                 + [f"sumsq_multi<{t}>" for t in _F] + ["sumsq_finish", "adamw_set_hyper"]
-                 + [f"scale_multi<{t}>" for t in _F]),
-    "elementwise.cu": [f"add<{t}>" for t in _F] + [f"cast<{a}, {b}>" for a in _F for b in _F if a != b],
-    "random.cu": ([f"philox_uniform<{t}>" for t in _F] + [f"philox_normal<{t}>" for t in _F]
-                  + [f"dropout_fwd<{t}>" for t in _F]),
-}
+def register_family(family: str, expressions, defines: dict | None = None) -> None:
+    """Declare kernels/<family>'s instantiations and its block constants (passed as -DNAME=value)."""
+    FAMILIES[family] = list(expressions)
+    DEFINES[family] = dict(defines or {})
 
 
 class KernelCompileError(KilnError):
@@ -123,10 +69,12 @@ def cuda_include_dirs() -> list[str]:
     return out
 
 
-def nvrtc_options(arch: str, verbose_ptxas: bool = False) -> list[str]:
-    """The options every family is compiled with (no fast-math: fp32 kernels must match 1e-5)."""
+def nvrtc_options(arch: str, verbose_ptxas: bool = False, family: str | None = None) -> list[str]:
+    """The options a family is compiled with (no fast-math: fp32 kernels must match 1e-5), its
+    registered constants included."""
     opts = [f"--gpu-architecture={arch}", "-std=c++17", "--device-as-default-execution-space",
             f"-I{KERNEL_DIR}"] + [f"-I{d}" for d in cuda_include_dirs()]
+    opts += [f"-D{name}={value}" for name, value in sorted(DEFINES.get(family, {}).items())]
     if verbose_ptxas:
         opts.append("--ptxas-options=-v")
     return opts
@@ -172,7 +120,7 @@ def compile_family(family: str, arch: str = "sm_90a", name_expressions=None,
     from cuda.bindings import nvrtc
     source = family_source(family)
     exprs = list(FAMILIES[family] if name_expressions is None else name_expressions)
-    opts = nvrtc_options(arch, verbose_ptxas) + list(extra_options)
+    opts = nvrtc_options(arch, verbose_ptxas, family) + list(extra_options)
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), family.encode(), 0, [], []),
                   "create", family)[0]
     try:
@@ -244,14 +192,14 @@ def cache_dir() -> Path:
 
 def cache_key(family: str, arch: str) -> str:
     h = hashlib.sha256()
-    for part in (family, family_source(family), _headers_digest(), " ".join(nvrtc_options(arch)),
+    for part in (family, family_source(family), _headers_digest(), " ".join(nvrtc_options(arch, family=family)),
                  "\n".join(FAMILIES[family]), _nvrtc_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
 
 
-def _load_or_compile(family: str, arch: str) -> CompiledFamily:
+def load_or_compile(family: str, arch: str) -> CompiledFamily:
     key = cache_key(family, arch)
     d = cache_dir()
     cubin_path, names_path = d / f"{family}-{key}.cubin", d / f"{family}-{key}.json"
@@ -270,91 +218,3 @@ def _load_or_compile(family: str, arch: str) -> CompiledFamily:
     except OSError:
         pass  # a read-only cache is not an error: the kernels still run
     return compiled
-
-
-class Kernel:
-    """One compiled kernel; calling it launches on kiln's stream."""
-
-    def __init__(self, family: str, expr: str, function):
-        self.family = family
-        self.expr = expr
-        self._fn = function
-
-    def __call__(self, grid, block, args, shared_mem: int = 0):
-        from kiln.backend.cuda import device
-        grid = tuple(int(g) for g in grid) if isinstance(grid, tuple) else (int(grid),)
-        block = tuple(int(b) for b in block) if isinstance(block, tuple) else (int(block),)
-        if any(g <= 0 for g in grid):
-            return  # an empty launch (zero rows): nothing to do
-        self._fn(grid, block, args, shared_mem=shared_mem, stream=device.stream())
-
-
-_modules: dict = {}
-_lock = threading.Lock()
-
-
-def _load_module(family: str):
-    """The loaded module of a family for the current device: (kind, module, lowered names)."""
-    from kiln.backend.cuda import device
-    arch = device.arch()
-    key = (family, device.device_id())
-    with _lock:
-        mod = _modules.get(key)
-        if mod is None:
-            mod = _load_module_uncached(family, arch)
-            _modules[key] = mod
-    return mod
-
-
-def _load_module_uncached(family, arch):
-    import cupy
-    try:
-        compiled = _load_or_compile(family, arch)
-    except KernelCompileError:
-        raise
-    except (ImportError, OSError, RuntimeError):
-        compiled = None  # no usable cuda.bindings NVRTC here: let CuPy's NVRTC compile it
-    if compiled is not None:
-        module = cupy.cuda.function.Module()
-        module.load(compiled.cubin)
-        return ("module", module, compiled.lowered)
-    # CuPy compiles the same source with the same options (and caches the result on disk in
-    # ~/.cupy/kernel_cache, keyed by source and options).
-    opts = tuple(o for o in nvrtc_options(arch) if not o.startswith("--gpu-architecture"))
-    try:
-        module = cupy.RawModule(code=family_source(family), options=opts,
-                                name_expressions=list(FAMILIES[family]))
-        module.compile()
-    except Exception as e:  # CuPy's CompileException carries the log in its message
-        raise KernelCompileError(f"NVRTC (through CuPy) failed for kernel family {family}: {e}") from e
-    return ("raw", module, None)
-
-
-def get_kernel(family: str, expr: str) -> Kernel:
-    """The kernel `expr` (a name expression listed in FAMILIES[family]), compiled at first use."""
-    if expr not in FAMILIES.get(family, ()):
-        raise KilnError(f"kernel {expr!r} is not instantiated in {family}; add it to FAMILIES")
-    from kiln.backend.cuda import device
-    cache_k = (family, expr, device.device_id())
-    k = _kernels.get(cache_k)
-    if k is None:
-        kind, module, lowered = _load_module(family)
-        fn = module.get_function(lowered[expr]) if kind == "module" else module.get_function(expr)
-        k = Kernel(family, expr, fn)
-        _kernels[cache_k] = k
-    return k
-
-
-_kernels: dict = {}
-
-
-def i32(x) -> np.int32:
-    return np.int32(x)
-
-
-def i64(x) -> np.int64:
-    return np.int64(x)
-
-
-def f32(x) -> np.float32:
-    return np.float32(x)

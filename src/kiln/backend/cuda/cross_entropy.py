@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from kiln.backend.cpu import cross_entropy as cpu
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import get_kernel, i32, i64
-from kiln.backend.cuda.launch import as_index, contiguous, cpu_fallback, ctype, idx_ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, INDEX_CTYPES, register_family
+from kiln.backend.cuda.launch import as_index, contiguous, cpu_fallback, ctype, get_kernel, i32, i64, idx_ctype
+
+ROW_THREADS = 512  # one block per row (kCeThreads)
+register_family("cross_entropy.cu", [f"cross_entropy_fwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]
+                + [f"cross_entropy_bwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]
+                + [f"cross_entropy_count<{i}>" for i in INDEX_CTYPES] + ["cross_entropy_mean"],
+                defines={"KILN_CE_THREADS": ROW_THREADS})
 
 
 def cross_entropy_fwd(logits, targets, ignore_index):
@@ -27,7 +33,7 @@ def cross_entropy_fwd(logits, targets, ignore_index):
     loss = cp.empty((), dtype=cp.float32)
     it = idx_ctype(targets.dtype)
     get_kernel("cross_entropy.cu", f"cross_entropy_fwd<{t}, {it}>")(
-        (n,), (512,), (logits, targets, lse, rows, i32(n), i32(v), i64(ignore_index)))
+        (n,), (ROW_THREADS,), (logits, targets, lse, rows, i32(n), i32(v), i64(ignore_index)))
     get_kernel("cross_entropy.cu", "cross_entropy_mean")((1,), (1024,), (rows, i32(n), loss))
     return loss, lse
 
@@ -49,5 +55,5 @@ def cross_entropy_bwd(grad, logits, targets, lse, ignore_index):
         (1,), (1024,), (targets, i32(n), i64(ignore_index), g, scale))
     dlogits = cp.empty_like(logits)
     get_kernel("cross_entropy.cu", f"cross_entropy_bwd<{t}, {it}>")(
-        (n,), (512,), (logits, targets, lse, scale, dlogits, i32(v), i64(ignore_index)))
+        (n,), (ROW_THREADS,), (logits, targets, lse, scale, dlogits, i32(v), i64(ignore_index)))
     return dlogits

@@ -9,8 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import get_kernel, i64
-from kiln.backend.cuda.launch import THREADS, aligned16, cdiv, ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import THREADS, aligned16, cdiv, ctype, get_kernel, i64
+
+register_family("elementwise.cu", [f"add<{t}>" for t in FLOAT_CTYPES]
+                + [f"cast<{a}, {b}>" for a in FLOAT_CTYPES for b in FLOAT_CTYPES if a != b])
+
 
 _MAX_BLOCKS = 1 << 16
 

@@ -13,13 +13,19 @@ import numpy as np
 
 from kiln.backend.cpu import embedding as cpu
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import get_kernel, i32, i64
-from kiln.backend.cuda.launch import as_index, cdiv, contiguous, cpu_fallback, ctype, idx_ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, INDEX_CTYPES, register_family
+from kiln.backend.cuda.launch import as_index, cdiv, contiguous, cpu_fallback, ctype, get_kernel, i32, i64, idx_ctype
 
 EMB_THREADS = 256
-EMB_TILE = 1024           # kEmbTile
-EMB_SEG = 32              # kEmbSeg
-EMB_MAX_V = 4096 * 256 - 1  # kEmbMaxVBlocks * kEmbThreads keys, one of them the out-of-range key
+EMB_TILE = 1024             # positions per rank tile (phase 0)
+EMB_SEG = 32                # sorted slots per segment (phases 3, 4)
+EMB_MAX_V_BLOCKS = 4096     # phase-1 blocks whose offsets sit in shared memory
+EMB_MAX_V = EMB_MAX_V_BLOCKS * EMB_THREADS - 1  # keys, one of them the out-of-range key
+
+register_family("embedding.cu", [f"embedding_fwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]
+                + [f"embedding_bwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES],
+                defines={"KILN_EMB_THREADS": EMB_THREADS, "KILN_EMB_TILE": EMB_TILE, "KILN_EMB_SEG": EMB_SEG,
+                         "KILN_EMB_MAX_V_BLOCKS": EMB_MAX_V_BLOCKS})
 
 
 def embedding_fwd(weight, idx):

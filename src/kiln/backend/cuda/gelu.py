@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-
 from kiln.backend.cpu import gelu as cpu
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import get_kernel, i64
-from kiln.backend.cuda.launch import THREADS, aligned16, cdiv, contiguous, cpu_fallback, ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import THREADS, aligned16, cdiv, contiguous, cpu_fallback, ctype, get_kernel, i64
+
+register_family("gelu.cu", [f"gelu_fwd<{t}>" for t in FLOAT_CTYPES] + [f"gelu_bwd<{t}>" for t in FLOAT_CTYPES])
+
 
 _MAX_BLOCKS = 1 << 20
 
@@ -46,6 +48,5 @@ def gelu_bwd(grad, x):
     get_kernel("gelu.cu", f"gelu_bwd<{t}>")((_grid(n, n_vec, pack),), (THREADS,),
                                             (grad, x, dx, i64(n), i64(n_vec)))
     return dx
-
 
 

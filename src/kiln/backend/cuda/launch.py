@@ -1,16 +1,29 @@
-"""Host-side plumbing shared by the kernel wrappers: dtype dispatch, alignment, grids, fallbacks.
+"""Where kiln's kernels are launched: `get_kernel` loads a compiled family (compiler.py) onto the
+device and a `Kernel` call launches on kiln's stream (the one `use_stream` names, if any); plus
+the plumbing the family launchers share: dtype dispatch, alignment, grids, scalar arguments, fallbacks.
 
-A wrapper launches a compiled kernel when the arrays' dtype has an instantiation (float32,
+A launcher launches a compiled kernel when the arrays' dtype has an instantiation (float32,
 bfloat16, float16); float64 and other dtypes are reference-only on the GPU and run the CPU
 backend's kernel on a host copy (correct, slow, and never on a training hot path).
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import CTYPES, IDX_CTYPES
+from kiln.backend.cuda.compiler import (
+    CTYPES,
+    FAMILIES,
+    IDX_CTYPES,
+    KernelCompileError,
+    family_source,
+    load_or_compile,
+    nvrtc_options,
+)
+from kiln.errors import KilnError
 
 THREADS = 256
 
@@ -70,3 +83,91 @@ def to_device(x):
 def cpu_fallback(fn, *args):
     """Run the CPU backend's `fn` on host copies of the device arrays and bring the results back."""
     return to_device(fn(*[to_host(a) for a in args]))
+
+
+class Kernel:
+    """One compiled kernel; calling it launches on kiln's stream."""
+
+    def __init__(self, family: str, expr: str, function):
+        self.family = family
+        self.expr = expr
+        self._fn = function
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        from kiln.backend.cuda import device
+        grid = tuple(int(g) for g in grid) if isinstance(grid, tuple) else (int(grid),)
+        block = tuple(int(b) for b in block) if isinstance(block, tuple) else (int(block),)
+        if any(g <= 0 for g in grid):
+            return  # an empty launch (zero rows): nothing to do
+        self._fn(grid, block, args, shared_mem=shared_mem, stream=device.stream())
+
+
+_modules: dict = {}
+_lock = threading.Lock()
+
+
+def _load_module(family: str):
+    """The loaded module of a family for the current device: (kind, module, lowered names)."""
+    from kiln.backend.cuda import device
+    arch = device.arch()
+    key = (family, device.device_id())
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            mod = _load_module_uncached(family, arch)
+            _modules[key] = mod
+    return mod
+
+
+def _load_module_uncached(family, arch):
+    import cupy
+    try:
+        compiled = load_or_compile(family, arch)
+    except KernelCompileError:
+        raise
+    except (ImportError, OSError, RuntimeError):
+        compiled = None  # no usable cuda.bindings NVRTC here: let CuPy's NVRTC compile it
+    if compiled is not None:
+        module = cupy.cuda.function.Module()
+        module.load(compiled.cubin)
+        return ("module", module, compiled.lowered)
+    # CuPy compiles the same source with the same options (and caches the result on disk in
+    # ~/.cupy/kernel_cache, keyed by source and options).
+    opts = tuple(o for o in nvrtc_options(arch, family=family) if not o.startswith("--gpu-architecture"))
+    try:
+        module = cupy.RawModule(code=family_source(family), options=opts,
+                                name_expressions=list(FAMILIES[family]))
+        module.compile()
+    except Exception as e:  # CuPy's CompileException carries the log in its message
+        raise KernelCompileError(f"NVRTC (through CuPy) failed for kernel family {family}: {e}") from e
+    return ("raw", module, None)
+
+
+def get_kernel(family: str, expr: str) -> Kernel:
+    """The kernel `expr` (a name expression its family module registered), compiled at first use."""
+    if expr not in FAMILIES.get(family, ()):
+        raise KilnError(f"kernel {expr!r} is not instantiated in {family}; add it to the family's register_family list")
+    from kiln.backend.cuda import device
+    cache_k = (family, expr, device.device_id())
+    k = _kernels.get(cache_k)
+    if k is None:
+        kind, module, lowered = _load_module(family)
+        fn = module.get_function(lowered[expr]) if kind == "module" else module.get_function(expr)
+        k = Kernel(family, expr, fn)
+        _kernels[cache_k] = k
+    return k
+
+
+_kernels: dict = {}
+
+
+def i32(x) -> np.int32:
+    return np.int32(x)
+
+
+def i64(x) -> np.int64:
+    return np.int64(x)
+
+
+def f32(x) -> np.float32:
+    return np.float32(x)

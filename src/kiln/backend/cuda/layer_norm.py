@@ -13,11 +13,38 @@ from __future__ import annotations
 
 from kiln.backend.cpu import layer_norm as cpu
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import (ADD_LAYER_NORM_WIDTHS, LAYER_NORM_BWD_WIDTHS, LAYER_NORM_WIDTHS, f32,
-                                         get_kernel, i32)
-from kiln.backend.cuda.launch import aligned16, cdiv, contiguous, cpu_fallback, ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import aligned16, cdiv, contiguous, cpu_fallback, ctype, f32, get_kernel, i32
 
 _ROWS_PER_BLOCK = 8  # one warp per row, 8 warps per block (kLnWarps in layer_norm.cu)
+# LayerNorm widths compiled with the row held in registers; others take the generic kernel.
+LAYER_NORM_WIDTHS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# The backward holds four row-sized register arrays, so it is specialised only up to 1024.
+LAYER_NORM_BWD_WIDTHS = (256, 512, 768, 1024)
+# The forward of the residual add fused with a LayerNorm (add_layer_norm_fwd_reg) also holds the
+# row, plus a second input in flight: at 4096 the fp16 instantiation spills (224 bytes), so
+# 4096 takes the generic kernel. Its backward is layer_norm_bwd_reg's, widths as above.
+ADD_LAYER_NORM_WIDTHS = tuple(c for c in LAYER_NORM_WIDTHS if c <= 3072)
+
+
+def _instantiations():
+    # layer_norm_* and add_layer_norm_* (the residual add fused with the LayerNorm after it);
+    # dweight/dbias of both go through layer_norm_dwdb_*.
+    out = []
+    for t in FLOAT_CTYPES:
+        for c in LAYER_NORM_WIDTHS:
+            if c % (32 * (16 // (4 if t == "float" else 2))) == 0:
+                out.append(f"layer_norm_fwd_reg<{t}, {c}>")
+                if c in ADD_LAYER_NORM_WIDTHS:
+                    out.append(f"add_layer_norm_fwd_reg<{t}, {c}>")
+                if c in LAYER_NORM_BWD_WIDTHS:
+                    out += [f"layer_norm_bwd_reg<{t}, {c}>", f"add_layer_norm_bwd_reg<{t}, {c}>"]
+        out += [f"layer_norm_fwd_any<{t}>", f"layer_norm_bwd_any<{t}>", f"add_layer_norm_fwd_any<{t}>",
+                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>", f"layer_norm_dwdb_finish<{t}>"]
+    return out
+
+
+register_family("layer_norm.cu", _instantiations(), defines={"KILN_LN_WARPS": _ROWS_PER_BLOCK})
 _MAX_BWD_BLOCKS = 256
 _constants: dict = {}
 

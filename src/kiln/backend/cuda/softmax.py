@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from kiln.backend.cpu import softmax as cpu
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import get_kernel, i32
-from kiln.backend.cuda.launch import contiguous, cpu_fallback, ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import contiguous, cpu_fallback, ctype, get_kernel, i32
+
+THREADS = 256  # one block per row (kSmThreads)
+register_family("softmax.cu", [f"{k}<{t}>" for k in ("softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_bwd")
+                               for t in FLOAT_CTYPES], defines={"KILN_SM_THREADS": THREADS})
 
 
 def _rows(kernel: str, fallback, out_like, *arrays):
@@ -18,7 +22,7 @@ def _rows(kernel: str, fallback, out_like, *arrays):
     out = rt.cupy().empty(flat[0].shape, dtype=out_like.dtype)
     n = flat[0].shape[0]
     if n and c:
-        get_kernel("softmax.cu", f"{kernel}<{t}>")((n,), (256,), (*flat, out, i32(c)))
+        get_kernel("softmax.cu", f"{kernel}<{t}>")((n,), (THREADS,), (*flat, out, i32(c)))
     return out.reshape(shape)
 
 

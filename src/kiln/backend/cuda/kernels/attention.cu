@@ -18,7 +18,7 @@
 
 using namespace kiln;
 
-constexpr int kAttnThreads = 128;  // 4 warps (tensor-core kernels)
+constexpr int kAttnThreads = KILN_ATTN_TC_THREADS;  // 4 warps (tensor-core kernels)
 
 // Element (b, h, t, d) of an operand lies at b * sb + h * sh + t * st + d.
 #define KILN_LAYOUT(p) long long p##_sb, long long p##_sh, long long p##_st
@@ -78,7 +78,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait_group() {
 // half of the tile's keys; the halves are added in a fixed order at the end. Static shared
 // memory: 35-45 KiB a block.
 
-constexpr int kF32Threads = 64;
+constexpr int kF32Threads = KILN_ATTN_F32_THREADS;
 // Resident blocks per SM asked of ptxas (so <= 204 registers): static shared memory (35-45 KiB a
 // block) allows 5 anyway. With it every kernel fits in 168 registers; without it dQ at D = 32
 // spilled.
@@ -765,7 +765,7 @@ __device__ __forceinline__ void frag_store(T* __restrict__ dst, int ld, const fl
     }
 }
 
-constexpr int kTcRows = 64;  // rows per block in every tensor-core kernel: 4 warps x 16
+constexpr int kTcRows = KILN_ATTN_TC_ROWS;  // rows per block in every tensor-core kernel: 4 warps x 16
 
 template <int D> struct TcShape {
     // Rows per streamed tile: keys in the forward and dQ, queries in dK/dV. Two buffers of two

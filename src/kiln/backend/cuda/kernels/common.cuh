@@ -142,4 +142,40 @@ __device__ __forceinline__ void store_f4(T* p, float4 v) {
     *reinterpret_cast<uint2*>(p) = raw;
 }
 
+// The online (max, sum of exp(x - max)) of one row xr[0:C], reduced over a block of NT threads:
+// the log-sum-exp pass of softmax.cu and cross_entropy.cu. `vec`: read 16-byte packs (the
+// caller checked C % Pack<T>::N == 0 and the alignment). Every thread gets the row's result.
+template <int NT, typename T>
+__device__ __forceinline__ MaxSum row_max_sum(const T* __restrict__ xr, int C, bool vec) {
+    constexpr int V = Pack<T>::N;
+    MaxSum st{-KILN_INF, 0.0f};
+    if (vec) {
+        for (int p = threadIdx.x; p < C / V; p += NT) {
+            const Pack<T> a = load_pack(xr + p * V);
+            float v[V];
+            float pm = -KILN_INF;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                v[j] = to_float(a.v[j]);
+                pm = fmaxf(pm, v[j]);
+            }
+            const float m = fmaxf(st.m, pm);
+            if (m == -KILN_INF) continue;
+            float s = st.s * expf(st.m - m);
+#pragma unroll
+            for (int j = 0; j < V; ++j) s += expf(v[j] - m);
+            st = {m, s};
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += NT) {
+            const float v = to_float(xr[c]);
+            const float m = fmaxf(st.m, v);
+            if (m == -KILN_INF) continue;
+            st = {m, st.s * expf(st.m - m) + expf(v - m)};
+        }
+    }
+    __shared__ float sm[NT / 32], ss[NT / 32];
+    return block_max_sum<NT>(st, sm, ss);
+}
+
 }  // namespace kiln

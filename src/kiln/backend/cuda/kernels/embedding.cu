@@ -42,10 +42,10 @@ __global__ void __launch_bounds__(256) embedding_fwd(const T* __restrict__ weigh
     }
 }
 
-constexpr int kEmbThreads = 256;
-constexpr int kEmbTile = 1024;       // positions per rank tile (phase 0)
-constexpr int kEmbSeg = 32;          // sorted slots per segment (phases 3, 4)
-constexpr int kEmbMaxVBlocks = 4096; // phase-1 blocks (V + 1 <= 4096 * 256) whose offsets sit in shared memory
+constexpr int kEmbThreads = KILN_EMB_THREADS;  // the constants of this block come from embedding.py
+constexpr int kEmbTile = KILN_EMB_TILE;      // positions per rank tile (phase 0)
+constexpr int kEmbSeg = KILN_EMB_SEG;     // sorted slots per segment (phases 3, 4)
+constexpr int kEmbMaxVBlocks = KILN_EMB_MAX_V_BLOCKS; // phase-1 blocks (V + 1 <= 4096 * 256) whose offsets sit in shared memory
 
 // Phase-3 codes for the slot that ends a run (else kEmbNone); a code >= 0 is a dweight row.
 constexpr int kEmbNone = -1, kEmbHead = -2, kEmbTail = -3, kEmbDrop = -4;

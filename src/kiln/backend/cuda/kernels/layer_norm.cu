@@ -18,7 +18,7 @@
 
 using namespace kiln;
 
-constexpr int kLnWarps = 8;  // rows per block in the warp-per-row kernels
+constexpr int kLnWarps = KILN_LN_WARPS;  // rows per block in the warp-per-row kernels (from layer_norm.py)
 
 namespace {
 
@@ -32,93 +32,15 @@ __device__ __forceinline__ void ln_cp_async_wait_all() { asm volatile("cp.async.
 
 }  // namespace
 
-template <typename T, int C>
-__global__ void __launch_bounds__(256) layer_norm_fwd_reg(const T* __restrict__ x, const T* __restrict__ w,
-                                                          const T* __restrict__ b, T* __restrict__ y,
-                                                          float* __restrict__ mean, float* __restrict__ rstd,
-                                                          int n, float eps) {
-    constexpr int V = Pack<T>::N;
-    constexpr int P = C / (32 * V);
-    static_assert(C % (32 * V) == 0, "C must be a multiple of 32 packs");
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
-    if (row >= n) return;
-    const T* xr = x + (long long)row * C;
-    float v[P][V];
-    float s = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        const Pack<T> a = load_pack(xr + (p * 32 + lane) * V);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            v[p][j] = to_float(a.v[j]);
-            s += v[p][j];
-        }
-    }
-    const float mu = warp_sum(s) / C;
-    float q = 0.0f;
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const float d = v[p][j] - mu;
-            q += d * d;
-        }
-    const float r = rsqrtf(warp_sum(q) / C + eps);
-    T* yr = y + (long long)row * C;
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        const int c0 = (p * 32 + lane) * V;
-        Pack<T> o;
-        const Pack<T> wp = load_pack(w + c0);
-        const Pack<T> bp = load_pack(b + c0);
-#pragma unroll
-        for (int j = 0; j < V; ++j) o.v[j] = from_float<T>((v[p][j] - mu) * r * to_float(wp.v[j]) + to_float(bp.v[j]));
-        store_pack(yr + c0, o);
-    }
-    if (lane == 0) {
-        mean[row] = mu;
-        rstd[row] = r;
-    }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(256) layer_norm_fwd_any(const T* __restrict__ x, const T* __restrict__ w,
-                                                          const T* __restrict__ b, T* __restrict__ y,
-                                                          float* __restrict__ mean, float* __restrict__ rstd,
-                                                          int n, int C, float eps) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
-    if (row >= n) return;
-    const T* xr = x + (long long)row * C;
-    float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += to_float(xr[c]);
-    const float mu = warp_sum(s) / C;
-    float q = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        const float d = to_float(xr[c]) - mu;
-        q += d * d;
-    }
-    const float r = rsqrtf(warp_sum(q) / C + eps);
-    T* yr = y + (long long)row * C;
-    for (int c = lane; c < C; c += 32) {
-        yr[c] = from_float<T>((to_float(xr[c]) - mu) * r * to_float(w[c]) + to_float(b[c]));
-    }
-    if (lane == 0) {
-        mean[row] = mu;
-        rstd[row] = r;
-    }
-}
-
-// s = x + y (rounded to T) and h = layer_norm(s), the row in registers as layer_norm_fwd_reg
-// holds it. Mean and variance are of exactly the values stored in s (the rounded sums), so
-// the backward, which reads s, agrees with the forward.
-template <typename T, int C>
-__global__ void __launch_bounds__(256) add_layer_norm_fwd_reg(const T* __restrict__ x, const T* __restrict__ y,
-                                                              const T* __restrict__ w, const T* __restrict__ b,
-                                                              T* __restrict__ s, T* __restrict__ h,
-                                                              float* __restrict__ mean, float* __restrict__ rstd,
-                                                              int n, float eps) {
+// The forward of one row per warp, the row held in registers (v): kAdd reads x and y and
+// stores s = x + y rounded to T, normalising exactly the values stored (so the backward, which
+// reads s, agrees with the forward); otherwise it normalises x. Writes out = normalised * w + b.
+template <typename T, int C, bool kAdd>
+__device__ __forceinline__ void ln_fwd_reg_row(const T* __restrict__ x, const T* __restrict__ y,
+                                               const T* __restrict__ w, const T* __restrict__ b,
+                                               T* __restrict__ s, T* __restrict__ out,
+                                               float* __restrict__ mean, float* __restrict__ rstd,
+                                               int n, float eps) {
     constexpr int V = Pack<T>::N;
     constexpr int P = C / (32 * V);
     static_assert(C % (32 * V) == 0, "C must be a multiple of 32 packs");
@@ -132,15 +54,23 @@ __global__ void __launch_bounds__(256) add_layer_norm_fwd_reg(const T* __restric
     for (int p = 0; p < P; ++p) {
         const int c0 = (p * 32 + lane) * V;
         const Pack<T> a = load_pack(x + off + c0);
-        const Pack<T> e = load_pack(y + off + c0);
-        Pack<T> o;
+        if constexpr (kAdd) {
+            const Pack<T> e = load_pack(y + off + c0);
+            Pack<T> o;
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            o.v[j] = from_float<T>(to_float(a.v[j]) + to_float(e.v[j]));
-            v[p][j] = to_float(o.v[j]);
-            sum += v[p][j];
+            for (int j = 0; j < V; ++j) {
+                o.v[j] = from_float<T>(to_float(a.v[j]) + to_float(e.v[j]));
+                v[p][j] = to_float(o.v[j]);
+                sum += v[p][j];
+            }
+            store_pack(s + off + c0, o);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                v[p][j] = to_float(a.v[j]);
+                sum += v[p][j];
+            }
         }
-        store_pack(s + off + c0, o);
     }
     const float mu = warp_sum(sum) / C;
     float q = 0.0f;
@@ -161,7 +91,7 @@ __global__ void __launch_bounds__(256) add_layer_norm_fwd_reg(const T* __restric
 #pragma unroll
         for (int j = 0; j < V; ++j)
             o.v[j] = from_float<T>((v[p][j] - mu) * r * to_float(wp.v[j]) + to_float(bp.v[j]));
-        store_pack(h + off + c0, o);
+        store_pack(out + off + c0, o);
     }
     if (lane == 0) {
         mean[row] = mu;
@@ -169,41 +99,84 @@ __global__ void __launch_bounds__(256) add_layer_norm_fwd_reg(const T* __restric
     }
 }
 
-// Any C: the first pass writes s, the next two read it back (this thread's own stores).
+// The same for any C, re-reading the row: kAdd's first pass writes s and the next two read it
+// back (this thread's own stores); otherwise all three passes read x.
+template <typename T, bool kAdd>
+__device__ __forceinline__ void ln_fwd_any_row(const T* __restrict__ x, const T* __restrict__ y,
+                                               const T* __restrict__ w, const T* __restrict__ b,
+                                               T* __restrict__ s, T* __restrict__ out,
+                                               float* __restrict__ mean, float* __restrict__ rstd,
+                                               int n, int C, float eps) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const long long off = (long long)row * C;
+    const T* xr = x + off;
+    T* sr = kAdd ? s + off : nullptr;
+    auto at = [&](int c) -> float {
+        if constexpr (kAdd) return to_float(sr[c]);
+        else return to_float(xr[c]);
+    };
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        if constexpr (kAdd) {
+            const T v = from_float<T>(to_float(xr[c]) + to_float(y[off + c]));
+            sr[c] = v;
+            sum += to_float(v);
+        } else {
+            sum += to_float(xr[c]);
+        }
+    }
+    const float mu = warp_sum(sum) / C;
+    float q = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        const float d = at(c) - mu;
+        q += d * d;
+    }
+    const float r = rsqrtf(warp_sum(q) / C + eps);
+    T* outr = out + off;
+    for (int c = lane; c < C; c += 32) {
+        outr[c] = from_float<T>((at(c) - mu) * r * to_float(w[c]) + to_float(b[c]));
+    }
+    if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+template <typename T, int C>
+__global__ void __launch_bounds__(256) layer_norm_fwd_reg(const T* __restrict__ x, const T* __restrict__ w,
+                                                          const T* __restrict__ b, T* __restrict__ y,
+                                                          float* __restrict__ mean, float* __restrict__ rstd,
+                                                          int n, float eps) {
+    ln_fwd_reg_row<T, C, false>(x, nullptr, w, b, nullptr, y, mean, rstd, n, eps);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) layer_norm_fwd_any(const T* __restrict__ x, const T* __restrict__ w,
+                                                          const T* __restrict__ b, T* __restrict__ y,
+                                                          float* __restrict__ mean, float* __restrict__ rstd,
+                                                          int n, int C, float eps) {
+    ln_fwd_any_row<T, false>(x, nullptr, w, b, nullptr, y, mean, rstd, n, C, eps);
+}
+
+// s = x + y (rounded to T) and h = layer_norm(s).
+template <typename T, int C>
+__global__ void __launch_bounds__(256) add_layer_norm_fwd_reg(const T* __restrict__ x, const T* __restrict__ y,
+                                                              const T* __restrict__ w, const T* __restrict__ b,
+                                                              T* __restrict__ s, T* __restrict__ h,
+                                                              float* __restrict__ mean, float* __restrict__ rstd,
+                                                              int n, float eps) {
+    ln_fwd_reg_row<T, C, true>(x, y, w, b, s, h, mean, rstd, n, eps);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(256) add_layer_norm_fwd_any(const T* __restrict__ x, const T* __restrict__ y,
                                                               const T* __restrict__ w, const T* __restrict__ b,
                                                               T* __restrict__ s, T* __restrict__ h,
                                                               float* __restrict__ mean, float* __restrict__ rstd,
                                                               int n, int C, float eps) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
-    if (row >= n) return;
-    const long long off = (long long)row * C;
-    const T* xr = x + off;
-    const T* yr = y + off;
-    T* sr = s + off;
-    float sum = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        const T v = from_float<T>(to_float(xr[c]) + to_float(yr[c]));
-        sr[c] = v;
-        sum += to_float(v);
-    }
-    const float mu = warp_sum(sum) / C;
-    float q = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        const float d = to_float(sr[c]) - mu;
-        q += d * d;
-    }
-    const float r = rsqrtf(warp_sum(q) / C + eps);
-    T* hr = h + off;
-    for (int c = lane; c < C; c += 32) {
-        hr[c] = from_float<T>((to_float(sr[c]) - mu) * r * to_float(w[c]) + to_float(b[c]));
-    }
-    if (lane == 0) {
-        mean[row] = mu;
-        rstd[row] = r;
-    }
+    ln_fwd_any_row<T, true>(x, y, w, b, s, h, mean, rstd, n, C, eps);
 }
 
 // dx for the rows of this block's warps, and this block's partial dweight/dbias sums in

@@ -5,42 +5,9 @@
 
 using namespace kiln;
 
-constexpr int kSmThreads = 256;
+constexpr int kSmThreads = KILN_SM_THREADS;  // threads per row (softmax.py)
 
 namespace {
-
-template <typename T>
-__device__ __forceinline__ MaxSum row_max_sum(const T* __restrict__ xr, int C, bool vec) {
-    constexpr int V = Pack<T>::N;
-    MaxSum st{-KILN_INF, 0.0f};
-    if (vec) {
-        for (int p = threadIdx.x; p < C / V; p += kSmThreads) {
-            const Pack<T> a = load_pack(xr + p * V);
-            float v[V];
-            float pm = -KILN_INF;
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                v[j] = to_float(a.v[j]);
-                pm = fmaxf(pm, v[j]);
-            }
-            const float m = fmaxf(st.m, pm);
-            if (m == -KILN_INF) continue;
-            float s = st.s * expf(st.m - m);
-#pragma unroll
-            for (int j = 0; j < V; ++j) s += expf(v[j] - m);
-            st = {m, s};
-        }
-    } else {
-        for (int c = threadIdx.x; c < C; c += kSmThreads) {
-            const float v = to_float(xr[c]);
-            const float m = fmaxf(st.m, v);
-            if (m == -KILN_INF) continue;
-            st = {m, st.s * expf(st.m - m) + expf(v - m)};
-        }
-    }
-    __shared__ float sm[kSmThreads / 32], ss[kSmThreads / 32];
-    return block_max_sum<kSmThreads>(st, sm, ss);
-}
 
 // sum over the row of f(a[c], b[c]).
 template <typename T, typename F>
@@ -91,7 +58,7 @@ template <typename T>
 __global__ void __launch_bounds__(kSmThreads) softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int C) {
     const long long off = (long long)blockIdx.x * C;
     const bool vec = row_vec(C, x, y, y);
-    const MaxSum st = row_max_sum(x + off, C, vec);
+    const MaxSum st = row_max_sum<kSmThreads>(x + off, C, vec);
     const float m = st.m, inv = 1.0f / st.s;
     row_map2(x + off, x + off, y + off, C, vec, [=](float v, float) { return expf(v - m) * inv; });
 }
@@ -100,7 +67,7 @@ template <typename T>
 __global__ void __launch_bounds__(kSmThreads) log_softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int C) {
     const long long off = (long long)blockIdx.x * C;
     const bool vec = row_vec(C, x, y, y);
-    const MaxSum st = row_max_sum(x + off, C, vec);
+    const MaxSum st = row_max_sum<kSmThreads>(x + off, C, vec);
     const float shift = st.m + logf(st.s);
     row_map2(x + off, x + off, y + off, C, vec, [=](float v, float) { return v - shift; });
 }

@@ -1,4 +1,5 @@
-"""kiln's device generator: counter-based Philox-4x32-10, its state two integers, and dropout.
+"""kiln's device generator: counter-based Philox-4x32-10, its state two integers (kernels/random.cu,
+whose dropout kernel, drawing from the same generator, dropout.py launches).
 
 State is (seed, offset): offset counts the 4-value groups drawn so far, so a stream is
 reproducible, the state is JSON-serialisable, and no device memory holds generator state.
@@ -11,9 +12,12 @@ import math
 import numpy as np
 
 from kiln.backend.cuda import device as rt
-from kiln.backend.cuda.compiler import f32, get_kernel, i64
-from kiln.backend.cuda.launch import cdiv, contiguous, ctype
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import cdiv, ctype, get_kernel, i64
 from kiln.errors import KilnError
+
+register_family("random.cu", [f"philox_uniform<{t}>" for t in FLOAT_CTYPES] + [f"philox_normal<{t}>" for t in FLOAT_CTYPES]
+                + [f"dropout_fwd<{t}>" for t in FLOAT_CTYPES])
 
 BIT_GENERATOR = "philox4x32-10"
 
@@ -74,23 +78,3 @@ def rng_normal(gen, shape, dtype):
 def rng_uniform(gen, shape, dtype):
     """Uniform samples in [0, 1) (24-bit resolution, as float32)."""
     return _fill("uniform", gen, shape, dtype)
-
-
-def dropout_fwd(x, p, gen):
-    """(y, mask): mask is 0 or 1/(1-p) in x's dtype, y = x * mask (the backward is grad * mask)."""
-    cp = rt.cupy()
-    scale = 1.0 / (1.0 - p)
-    t = ctype(x.dtype)
-    if t is None:
-        keep = rng_uniform(gen, x.shape, np.float32) >= p
-        mask = keep.astype(x.dtype) * x.dtype.type(scale)
-        return x * mask, mask
-    x = contiguous(x)
-    y, mask = cp.empty_like(x), cp.empty_like(x)
-    n = x.size
-    if n:
-        off = gen.take(n)
-        get_kernel("random.cu", f"dropout_fwd<{t}>")(
-            (cdiv(cdiv(n, 4), 256),), (256,),
-            (x, y, mask, i64(n), f32(p), f32(scale), np.uint64(gen.seed), np.uint64(off)))
-    return y, mask
