@@ -272,7 +272,7 @@ def main() -> None:
             ("kiln async stall", "kiln_async_stall"), ("kiln async write (hidden)", "kiln_async_write"),
             ("torch save in training", "torch_save_in_training"),
             ("next step, kiln writing", "train_step_after_kiln"), ("next step after torch", "train_step_after_torch")]
-    print(f"\n| model | params | file | " + " | ".join(c for c, _ in cols) + " |")
+    print("\n| model | params | file | " + " | ".join(c for c, _ in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for name, r in results.items():
         print(f"| {name} | {r['parameters'] / 1e6:.1f}M | {r['kiln_bytes'] / 1e6:.0f} MB | "

@@ -37,7 +37,7 @@ def test_replays_equal_eager_and_survive_eager_allocations():
     rng = np.random.default_rng()
     w = kiln.tensor(rng.standard_normal((64, 32)).astype(np.float32), device="cuda")
     step = CapturedStep(lambda x: _affine(x, w))
-    for i in range(4):
+    for _ in range(4):
         x = kiln.tensor(rng.standard_normal((16, 64)).astype(np.float32), device="cuda")
         out = step(x)
         # eager work between replays allocates and frees memory the graph must not share

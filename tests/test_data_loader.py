@@ -63,7 +63,7 @@ def test_w_ranks_see_exactly_what_one_rank_with_a_w_times_batch_sees(tmp_path, w
     rng = np.random.default_rng()
     B, T = 2, 16
     sizes = [int(n) for n in rng.integers(B * T * world_size + 1, 700, size=4)]
-    shards = make_shards(tmp_path, sizes, rng)
+    make_shards(tmp_path, sizes, rng)
     ranks = [ShardLoader(tmp_path, batch_size=B, seq_len=T, rank=r, world_size=world_size, shuffle=True, seed=7)
              for r in range(world_size)]
     single = ShardLoader(tmp_path, batch_size=B * world_size, seq_len=T, shuffle=True, seed=7)

@@ -1,6 +1,5 @@
 """`prepare`: text -> shards -> tokens -> text exactly, splits, shard sizes, bad input, the CLI."""
 
-import argparse
 import json
 
 import numpy as np
@@ -8,7 +7,8 @@ import pytest
 
 from kiln.data.corpus import bundled_text
 from kiln.data.loader import ShardLoader
-from kiln.data.prepare import add_prepare_arguments, prepare, run_prepare
+from kiln.cli import main as kiln_main
+from kiln.data.prepare import prepare
 from kiln.data.shards import open_shard
 from kiln.data.tokenizer import load_tokenizer
 from kiln.errors import ConfigError, DataError
@@ -119,18 +119,15 @@ def test_prepared_folder_feeds_the_loader(tmp_path):
 
 def test_cli_arguments_run_prepare(tmp_path, capsys):
     (tmp_path / "t.txt").write_text(TEXT[:60_000])
-    parser = argparse.ArgumentParser()
-    add_prepare_arguments(parser)
-    args = parser.parse_args([str(tmp_path / "t.txt"), "--out", str(tmp_path / "out"), "--vocab-size", "300",
-                              "--val-fraction", "0.25", "--shard-tokens", "5000", "--workers", "1", "--no-progress"])
-    assert run_prepare(args) == 0
+    assert kiln_main(["prepare", str(tmp_path / "t.txt"), "--out", str(tmp_path / "out"), "--vocab-size", "300",
+                      "--val-fraction", "0.25", "--shard-tokens", "5000", "--workers", "1", "--no-progress"]) == 0
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["vocab_size"] == 300 and meta["shard_tokens"] == 5000
     printed = capsys.readouterr().out
     assert f"train: {meta['splits']['train']['tokens']:,} tokens" in printed
-    args = parser.parse_args([str(tmp_path / "t.txt"), "--out", str(tmp_path / "again"), "--tokenizer",
-                              str(tmp_path / "out" / "tokenizer.json"), "--val-fraction", "0", "--no-progress"])
-    assert run_prepare(args) == 0  # a saved tokenizer.json is reused as is
+    assert kiln_main(["prepare", str(tmp_path / "t.txt"), "--out", str(tmp_path / "again"), "--tokenizer",
+                      str(tmp_path / "out" / "tokenizer.json"), "--val-fraction", "0", "--no-progress"]) == 0
+    # a saved tokenizer.json is reused as is
     tok = load_tokenizer(tmp_path / "out")
     assert split_tokens(tmp_path / "again", "train").tolist() == [tok.eot_id, *tok.encode(TEXT[:60_000])]
 

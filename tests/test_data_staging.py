@@ -9,7 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
-from kiln.data.loader import ShardLoader, split_window
+from kiln.data.loader import ShardLoader
+from kiln.data.staging import split_window
 from kiln.data.shards import write_shard
 from tests.test_data_loader import make_shards, take
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln.data.loader import ShardLoader, split_window
+from kiln.data.loader import ShardLoader
+from kiln.data.staging import split_window
 from tests.test_checkpoint import stopped_run_folder
 from tests.test_data_loader import make_shards, take
 

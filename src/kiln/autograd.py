@@ -79,6 +79,17 @@ class AccumulateGrad:
             hook(leaf)
 
 
+class Fresh:
+    """An array an op just computed, saved for backward (ctx.save_for_backward(Fresh(out))): nothing
+    else holds it to change it, and the engine gives it the output tensor's version counter."""
+
+    __slots__ = ("data", "_version")
+
+    def __init__(self, data):
+        self.data = data
+        self._version = [0]
+
+
 class Function:
     """Base of every differentiable op; a subclass instance is one node of the graph."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from kiln.errors import ConfigError, KilnError
@@ -94,6 +95,39 @@ def _import(args) -> int:
     return 0
 
 
+def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `kiln prepare`."""
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="text files (one document each), folders of them, or JSONL files (one per record)")
+    parser.add_argument("--out", required=True, help="folder for the shards, the tokenizer and meta.json")
+    parser.add_argument("--tokenizer", default="bpe",
+                        help="'bpe' (train one, needs --vocab-size), 'bytes', or a tokenizer.json, tiktoken "
+                             "file or saved tokenizer folder (default: bpe)")
+    parser.add_argument("--vocab-size", type=int, help="ids of the BPE to train, e.g. 8192")
+    parser.add_argument("--val-fraction", type=float, default=0.1,
+                        help="share of tokens for validation (default: 0.1)")
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000,
+                        help="tokens per shard (default: 100000000)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="encoding processes (default: one per core)")
+    parser.add_argument("--text-field", default="text", help="the JSONL field that holds the text (default: text)")
+    parser.add_argument("--overwrite", action="store_true", help="replace data an earlier run left in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    """`kiln prepare`: run `prepare` with parsed arguments and print what was written."""
+    from kiln.data.prepare import SPLITS, prepare
+    done = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                   val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, workers=args.workers,
+                   text_field=args.text_field, progress=not args.no_progress, overwrite=args.overwrite)
+    print(f"{done.out_dir}: {done.documents} documents, tokenizer {done.tokenizer}, "
+          f"vocab {done.vocab_size} (model: {done.padded_vocab_size})")
+    for split in SPLITS:
+        print(f"  {split}: {done.tokens[split]:,} tokens in {len(done.shards[split])} shards")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln", description="Train GPT models with kiln.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -138,10 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(run=_sample)
 
-    from kiln.data.prepare import add_prepare_arguments, run_prepare
     pr = sub.add_parser("prepare", help="turn text into token shards")
-    add_prepare_arguments(pr)
-    pr.set_defaults(run=run_prepare)
+    _prepare_arguments(pr)
+    pr.set_defaults(run=_prepare)
 
     e = sub.add_parser("export", help="write a run's model in another framework's format")
     e.add_argument("run_dir")

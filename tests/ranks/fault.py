@@ -28,4 +28,4 @@ try:
     write_result(world.rank, {"error": None})
 except dist.DistributedError as e:
     write_result(world.rank, {"error": str(e), "seconds": time.monotonic() - t0})
-    raise SystemExit(3)
+    raise SystemExit(3) from None

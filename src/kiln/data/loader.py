@@ -7,11 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from kiln.backend import device as parse_device
-from kiln.data.shards import open_shard, read_header
+from kiln.data.shards import META_FILE, open_shard, read_header
+from kiln.data.staging import open_staging, split_window
 from kiln.errors import ConfigError, DataError
-
-META_FILE = "meta.json"
-
 
 def _read_meta(file: Path) -> dict:
     try:
@@ -40,16 +38,6 @@ def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
         raise DataError(f"{path}: no {split!r} shards found (a folder of *{split}*.bin, a glob or a list)")
     meta_file = paths[0].parent / META_FILE
     return sorted(paths), _read_meta(meta_file) if meta_file.is_file() else {}
-
-
-def split_window(window, batch_size: int, seq_len: int):
-    """(x, y), int64 arrays of shape (B, T), from B·T+1 tokens: y is x shifted by one.
-
-    NumPy or CuPy alike: the one conversion of both devices, so CUDA batches equal CPU batches."""
-    bt = batch_size * seq_len
-    x = window[:bt].astype(np.int64).reshape(batch_size, seq_len)
-    y = window[1:bt + 1].astype(np.int64).reshape(batch_size, seq_len)
-    return x, y
 
 
 class ShardLoader:
@@ -99,7 +87,6 @@ class ShardLoader:
         self._slot = 0
         backend = self.device.backend  # raises a DeviceError naming what is missing for cuda
         if not backend.host_memory:
-            from kiln.data.staging import open_staging
             self._staging = open_staging(self.tokens_per_batch + 1, self.token_dtype, batch_size, seq_len,
                                          backend, self.device.index, pinned=pinned,
                                          what=f"ShardLoader({split!r}, device={str(self.device)!r})")

@@ -6,7 +6,6 @@ encoded by parallel workers in order, and each piece goes to validation only whi
 validation share of tokens at or under `val_fraction`, so the output does not depend on `workers`.
 """
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from kiln.data.loader import META_FILE
+from kiln.data.shards import META_FILE
 from kiln.data.shards import MAX_TOKENS, token_dtype, write_shard
 from kiln.data.tokenizer import BPE_FILE, BYTES_FILE, BPETokenizer, ByteTokenizer, load_tokenizer, padded_vocab_size
 from kiln.errors import ConfigError, DataError
@@ -253,35 +252,3 @@ def prepare(inputs, out_dir, tokenizer="bpe", vocab_size: int | None = None, val
             "splits": {s: {"tokens": result.tokens[s], "shards": shards[s]} for s in SPLITS}}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return result
-
-
-def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of `kiln prepare`."""
-    parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="text files (one document each), folders of them, or JSONL files (one per record)")
-    parser.add_argument("--out", required=True, help="folder for the shards, the tokenizer and meta.json")
-    parser.add_argument("--tokenizer", default="bpe",
-                        help="'bpe' (train one, needs --vocab-size), 'bytes', or a tokenizer.json, tiktoken "
-                             "file or saved tokenizer folder (default: bpe)")
-    parser.add_argument("--vocab-size", type=int, help="ids of the BPE to train, e.g. 8192")
-    parser.add_argument("--val-fraction", type=float, default=0.1,
-                        help="share of tokens for validation (default: 0.1)")
-    parser.add_argument("--shard-tokens", type=int, default=100_000_000,
-                        help="tokens per shard (default: 100000000)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="encoding processes (default: one per core)")
-    parser.add_argument("--text-field", default="text", help="the JSONL field that holds the text (default: text)")
-    parser.add_argument("--overwrite", action="store_true", help="replace data an earlier run left in --out")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """`kiln prepare`: run `prepare` with parsed arguments and print what was written."""
-    done = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                   val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, workers=args.workers,
-                   text_field=args.text_field, progress=not args.no_progress, overwrite=args.overwrite)
-    print(f"{done.out_dir}: {done.documents} documents, tokenizer {done.tokenizer}, "
-          f"vocab {done.vocab_size} (model: {done.padded_vocab_size})")
-    for split in SPLITS:
-        print(f"  {split}: {done.tokens[split]:,} tokens in {len(done.shards[split])} shards")
-    return 0

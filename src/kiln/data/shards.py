@@ -18,6 +18,7 @@ import numpy as np
 
 from kiln.errors import DataError
 
+META_FILE = "meta.json"  # beside the shards: the splits, their shard names, the vocabulary (kiln prepare)
 MAGIC = 20240520
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4

@@ -20,7 +20,15 @@ import warnings
 
 import numpy as np
 
-from kiln.data.loader import split_window
+
+def split_window(window, batch_size: int, seq_len: int):
+    """(x, y), int64 arrays of shape (B, T), from B·T+1 tokens: y is x shifted by one.
+
+    NumPy or CuPy alike: the one conversion of both devices, so CUDA batches equal CPU batches."""
+    bt = batch_size * seq_len
+    x = window[:bt].astype(np.int64).reshape(batch_size, seq_len)
+    y = window[1:bt + 1].astype(np.int64).reshape(batch_size, seq_len)
+    return x, y
 
 
 class PinnedMemoryUnavailable(RuntimeError):

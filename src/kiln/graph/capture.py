@@ -27,7 +27,8 @@ def capturing() -> bool:
 def before_each_replay(fn) -> None:
     """Run fn() on the host before every replay of the graph being recorded now."""
     if _recording is None:
-        raise RuntimeError("before_each_replay is only meaningful while a CapturedStep records")
+        raise GraphCaptureError("before_each_replay is only meaningful while a CapturedStep records; "
+                                "call it from the function being captured")
     _recording.append(fn)
 
 
@@ -66,7 +67,7 @@ class CapturedStep:
                               f"got {[str(t.device) for t in inputs]}")
         global _recording
         if _recording is not None:
-            raise RuntimeError("CapturedSteps do not nest")
+            raise GraphCaptureError("CapturedSteps do not nest: this step was called while another one records")
         backend = inputs[0].backend
         self._inputs = [Tensor._wrap(t.data.copy(), t.device) for t in inputs]
         _recording = hooks = []

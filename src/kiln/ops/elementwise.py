@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-from kiln.autograd import Function
+from kiln.autograd import Fresh, Function
 from kiln.backend import array_module
 from kiln.errors import DTypeError, ShapeError
 
@@ -135,16 +135,6 @@ class Pow(Function):
         xp = array_module(g)
         return (unbroadcast(g * y * x ** (y - 1), ctx.shapes[0]) if nx else None,
                 unbroadcast(g * out * xp.log(x), ctx.shapes[1]) if ny else None)
-
-
-class Fresh:
-    """An array an op just computed, saved for backward: nothing else holds it to change it."""
-
-    __slots__ = ("data", "_version")
-
-    def __init__(self, data):
-        self.data = data
-        self._version = [0]
 
 
 class Exp(Function):

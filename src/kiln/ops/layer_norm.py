@@ -3,9 +3,8 @@ fused with the LayerNorm that follows it (add_layer_norm)."""
 
 from __future__ import annotations
 
-from kiln.autograd import Function
+from kiln.autograd import Fresh, Function
 from kiln.errors import DTypeError, ShapeError
-from kiln.ops.elementwise import Fresh
 
 
 class LayerNorm(Function):

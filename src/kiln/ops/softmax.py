@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.autograd import Function
-from kiln.ops.elementwise import Fresh
+from kiln.autograd import Fresh, Function
 from kiln.ops.shape import _dim, transpose
 
 

@@ -75,7 +75,7 @@ def resolve_device(name: str):
     if name == "auto":
         return parse_device("cuda" if cuda_is_available() else "cpu")
     dev = parse_device(name)
-    dev.backend  # raises a DeviceError naming what is missing for cuda
+    dev.backend.ensure_available()  # a DeviceError names what is missing for cuda
     return dev
 
 

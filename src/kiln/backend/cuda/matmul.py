@@ -50,7 +50,7 @@ def _batch_stride(x, batch: tuple):
     item = x.dtype.itemsize
     dims = [(s, st) for s, st in zip(x.shape[:-2], x.strides[:-2]) if s != 1]
     ok = all(st % item == 0 and st >= 0 for _, st in dims)
-    for (s0, st0), (s1, st1) in zip(dims, dims[1:]):
+    for (_, st0), (s1, st1) in zip(dims, dims[1:]):
         ok = ok and st0 == st1 * s1
     if not ok:
         x = cp.ascontiguousarray(x)
