@@ -116,6 +116,7 @@ def timed(fn):
 
 def bench_model(name: str, repeats: int, folder: Path) -> dict:
     import torch
+
     from kiln.checkpoint import AsyncSaver, load, save
     from kiln.checkpoint.async_save import to_host
     trainer, state = trainer_state(name)

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _batches(n, b, t):
-    from kiln.data.loader import ShardLoader
     from kiln.data.corpus import bundled_dataset
+    from kiln.data.loader import ShardLoader
     loader = ShardLoader(bundled_dataset(), "train", batch_size=b, seq_len=t)
     return [loader.next_batch() for _ in range(n)]
 

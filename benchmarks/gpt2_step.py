@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 def _batches(n, b, t):
-    from kiln.data.loader import ShardLoader
     from kiln.data.corpus import bundled_dataset
+    from kiln.data.loader import ShardLoader
     loader = ShardLoader(bundled_dataset(), "train", batch_size=b, seq_len=t)
     return [loader.next_batch() for _ in range(n)]
 
@@ -82,6 +82,7 @@ def run_kiln(args, batches):
 
 def run_torch(args, batches, compiled: bool):
     import torch
+
     from tests.torch_gpt import torch_gpt_forward, torch_params
     model, cfg = _model(args)
     params = {k: v.detach().cuda().requires_grad_(True) for k, v in torch_params(model, torch.float32).items()}

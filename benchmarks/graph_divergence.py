@@ -10,6 +10,7 @@ with shapes already seen in the process diverge.
 """
 import sys
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import numpy as np
 

@@ -28,6 +28,7 @@ def median_ms(fn, iters: int, stream_kind: str, warmup: int = 3) -> float:
     """Median over `iters` of one call, timed with events on the stream the work runs on."""
     if stream_kind == "kiln":
         import cupy
+
         from kiln.backend.cuda import device
         s = device.stream()
         for _ in range(warmup):
@@ -173,6 +174,7 @@ def bench_adamw(k, iters):
     torch's clip_grad_norm_ (norm + scale) + fused step. "tables rebuilt" drops kiln's table
     cache before every call, as a training step whose gradient buffers moved does."""
     import torch
+
     from kiln.backend.cuda import adamw as cuda_adamw
     shapes, nparams, ps, gs, ms, vs, wds, tps = _gpt2_optimizer_state(k)
     opt = torch.optim.AdamW(tps, lr=1e-4, weight_decay=0.1, fused=True)
@@ -275,6 +277,7 @@ def host_ms(fn, iters: int) -> float:
     """Median host milliseconds of one call without waiting for the device (launch + Python):
     when it is close to the event time, the call is bound by the host, not the kernel."""
     import time
+
     from kiln.backend.cuda import device
     times = []
     for _ in range(iters):
@@ -316,6 +319,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import torch
+
     import kiln
     if not kiln.cuda_is_available() or not torch.cuda.is_available():
         print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)

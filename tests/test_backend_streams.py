@@ -98,7 +98,9 @@ def test_cuda_timing_events_measure_device_time():
 
 
 def test_both_backends_have_the_verbs():
-    from kiln.backend import cpu
-    from kiln.backend import cuda as gpu  # imports without a GPU
+    from kiln.backend import (
+        cpu,
+        cuda as gpu,  # imports without a GPU
+    )
     for verb in VERBS:
         assert callable(getattr(cpu, verb)) and callable(getattr(gpu, verb)), verb

@@ -111,8 +111,8 @@ def test_cli_export_and_import_of_a_trained_run(tmp_path, capsys):
 
 def test_fine_tuning_starts_from_the_imported_weights(tmp_path):
     """init_from an HF folder: the first step's loss is transformers' loss on the same batch."""
-    from kiln.data.loader import ShardLoader
     from kiln.data.corpus import bundled_dataset
+    from kiln.data.loader import ShardLoader
     vocab = json.loads((bundled_dataset() / "meta.json").read_text()).get("padded_vocab_size") or 256
     hf = random_hf_gpt2(tmp_path / "hf", vocab=vocab, n_positions=64)
     cfg = TrainConfig(init_from=str(tmp_path / "hf"), batch_size=4, seq_len=32, device="cpu",

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.backend.cuda.allocator import (CachingAllocator, GraphPool, OutOfMemoryError, Rounding, choose_rounding,
-                                         simulate)
+from kiln.backend.cuda.allocator import (
+    CachingAllocator,
+    GraphPool,
+    OutOfMemoryError,
+    Rounding,
+    choose_rounding,
+    simulate,
+)
 from kiln.errors import KilnError
 
 

@@ -206,6 +206,7 @@ def test_matmul_precision_rejects_unknown_modes(gpu):
 
 def test_gemm_runs_on_kilns_stream(gpu):
     import cupy
+
     from kiln.backend.cuda import device
     a = gpu.asarray(np.ones((8, 8), np.float32))
     gpu.matmul(a, a)

@@ -13,7 +13,6 @@ from kiln.optim import AdamW, gpt_param_groups
 from kiln.train import apply_precision
 
 
-
 def gpu(test):
     """Marks a test as a device test (pytest -m cuda), skipped without a GPU."""
     return pytest.mark.cuda(pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")(test))

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from kiln.cli import main as kiln_main
 from kiln.data.corpus import bundled_text
 from kiln.data.loader import ShardLoader
-from kiln.cli import main as kiln_main
 from kiln.data.prepare import prepare
 from kiln.data.shards import open_shard
 from kiln.data.tokenizer import load_tokenizer

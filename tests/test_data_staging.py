@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kiln.data.loader import ShardLoader
-from kiln.data.staging import split_window
 from kiln.data.shards import write_shard
+from kiln.data.staging import split_window
 from tests.test_data_loader import make_shards, take
 
 

@@ -8,12 +8,11 @@ __version__ = "0.1.0"
 
 from kiln.autograd import enable_grad, is_grad_enabled, no_grad
 from kiln.backend import Device, cuda_is_available, device
-from kiln.dtypes import (DType, bfloat16, bool_, float16, float32, float64, get_dtype, int32, int64,
-                         uint16)
+from kiln.dtypes import DType, bfloat16, bool_, float16, float32, float64, get_dtype, int32, int64, uint16
 from kiln.errors import KilnError
+from kiln.ops.shape import cat, split
 from kiln.random import Generator, manual_seed, rand, randn
 from kiln.tensor import Tensor, arange, full, ones, ones_like, tensor, zeros, zeros_like
-from kiln.ops.shape import cat, split
 
 __all__ = [
     "__version__", "enable_grad", "is_grad_enabled", "no_grad", "Device", "cuda_is_available",

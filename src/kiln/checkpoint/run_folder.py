@@ -176,6 +176,7 @@ def load_pretrained(path) -> GPT:
 def load_run(run_dir) -> tuple[GPT, object, dict]:
     """(model, tokenizer, config) of a finished run folder, on the CPU."""
     from safetensors.numpy import load_file
+
     from kiln.data.tokenizer import load_tokenizer
     run = Path(run_dir)
     checkpoints = run / CHECKPOINTS

@@ -11,6 +11,7 @@ from kiln.data.shards import META_FILE, open_shard, read_header
 from kiln.data.staging import open_staging, split_window
 from kiln.errors import ConfigError, DataError
 
+
 def _read_meta(file: Path) -> dict:
     try:
         return json.loads(file.read_text())

@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from kiln.data.shards import META_FILE
-from kiln.data.shards import MAX_TOKENS, token_dtype, write_shard
+from kiln.data.shards import MAX_TOKENS, META_FILE, token_dtype, write_shard
 from kiln.data.tokenizer import BPE_FILE, BYTES_FILE, BPETokenizer, ByteTokenizer, load_tokenizer, padded_vocab_size
 from kiln.errors import ConfigError, DataError
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from kiln.errors import DeviceError, GraphCaptureError, ShapeError  # noqa: F401  (re-exported by kiln.graph)
 from kiln.tensor import Tensor
 
-
 _recording: list | None = None  # the callbacks of the capture in progress
 
 

@@ -1,7 +1,7 @@
 """Modules: Module, Parameter, the layers and the GPT."""
 
 from kiln.nn import functional
-from kiln.nn.gpt import GPT, PRESETS, Block, CausalSelfAttention, GPTConfig, MLP, preset
+from kiln.nn.gpt import GPT, MLP, PRESETS, Block, CausalSelfAttention, GPTConfig, preset
 from kiln.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear
 from kiln.nn.module import Module, ModuleList, Parameter
 

@@ -5,5 +5,17 @@ its reference kernel, `backend/cuda/kernels/<family>.cu` its GPU kernel, `tests/
 its tests. The user-facing functions are gathered in `kiln.nn.functional`.
 """
 
-from kiln.ops import (attention, convert, cross_entropy, dropout, elementwise, embedding, gelu,  # noqa: F401
-                      layer_norm, matmul, reduce, shape, softmax)
+from kiln.ops import (  # noqa: F401
+                      attention,
+                      convert,
+                      cross_entropy,
+                      dropout,
+                      elementwise,
+                      embedding,
+                      gelu,
+                      layer_norm,
+                      matmul,
+                      reduce,
+                      shape,
+                      softmax,
+)

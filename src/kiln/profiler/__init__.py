@@ -19,8 +19,6 @@ from collections import defaultdict
 from kiln.backend.interface import KERNELS
 
 
-
-
 class _Clock:
     """Timing marks from the backend's timing events: device time on CUDA, host time on the CPU."""
 

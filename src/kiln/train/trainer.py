@@ -24,8 +24,16 @@ import numpy as np
 import kiln
 from kiln.backend import device as parse_device
 from kiln.checkpoint.run_folder import (
-    METRICS, LOSS_PLOT, WEIGHTS, jsonable, load_pretrained, logged_rows, new_run_dir, plot_losses,
-    save_weights, write_config,
+    LOSS_PLOT,
+    METRICS,
+    WEIGHTS,
+    jsonable,
+    load_pretrained,
+    logged_rows,
+    new_run_dir,
+    plot_losses,
+    save_weights,
+    write_config,
 )
 from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
@@ -34,6 +42,7 @@ from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
 from kiln.train.config import RESUME_OVERRIDES, TrainConfig, apply_precision, resolve_device
+
 
 class Trainer:
     def __init__(self, config: TrainConfig):

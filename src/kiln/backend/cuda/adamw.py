@@ -17,8 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kiln.backend.cpu import adamw as cpu
-from kiln.backend.cuda import allocator
-from kiln.backend.cuda import device as rt
+from kiln.backend.cuda import allocator, device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
 from kiln.backend.cuda.launch import ctype, f32, get_kernel, i32, i64
 from kiln.errors import KilnError

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import weakref
 
-from kiln.backend.cuda import allocator
-from kiln.backend.cuda import device as rt
+from kiln.backend.cuda import allocator, device as rt
 from kiln.errors import GraphCaptureError
 
 

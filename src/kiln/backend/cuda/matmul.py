@@ -13,8 +13,7 @@ import math
 import numpy as np
 
 from kiln.backend.cpu import matmul as cpu
-from kiln.backend.cuda import cublaslt
-from kiln.backend.cuda import device as rt
+from kiln.backend.cuda import cublaslt, device as rt
 from kiln.backend.cuda.launch import cpu_fallback
 
 
