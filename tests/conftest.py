@@ -1,6 +1,90 @@
-"""Test-wide settings: a private cache for prepared data, so a test run never reads stale shards."""
+"""Test-wide settings and the helpers every op family's tests share.
+
+A private cache for prepared data, so a test run never reads stale shards. For the kernel checks
+(`tests/test_op_<family>.py`, marked `cuda`): relative error `rel` against the CPU backend in
+float64, tolerances per dtype (float32 <= 1e-5, bfloat16 <= 1e-2, float16 <= 2e-3), random
+inputs rounded to the tested dtype (`rand`, never zeros), and the `gpu` fixture whose kernel
+wrappers allocate NaN-poisoned arrays, so an element a kernel forgets to write fails the
+comparison. Run those on a GPU machine with `pytest -m cuda`.
+"""
 
 import os
 import tempfile
 
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kiln
+
 os.environ.setdefault("KILN_CACHE", tempfile.mkdtemp(prefix="kiln-cache-"))
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = {np.dtype(np.float32): 1e-5, BF16: 1e-2, np.dtype(np.float16): 2e-3}
+DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+
+class _PoisonedXP:
+    """CuPy, except that empty/empty_like return NaN-filled (floats) or 0x5a-filled arrays."""
+
+    def __init__(self, xp):
+        self._xp = xp
+
+    def __getattr__(self, name):
+        return getattr(self._xp, name)
+
+    @staticmethod
+    def _poison(a):
+        if np.dtype(a.dtype).kind in "fV" or a.dtype == BF16:
+            a.fill(np.nan)
+        elif a.dtype.kind in "iu":
+            a.fill(0x5a)
+        return a
+
+    def empty(self, shape, dtype=float, order="C"):
+        return self._poison(self._xp.empty(shape, dtype=dtype, order=order))
+
+    def empty_like(self, a, dtype=None, order="K", subok=None, shape=None):
+        return self._poison(self._xp.empty_like(a, dtype=dtype, shape=shape))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The cuda backend with every array its kernel wrappers allocate poisoned (skips without a GPU)."""
+    if not kiln.cuda_is_available():
+        pytest.skip("needs an NVIDIA GPU with CuPy")
+    from kiln.backend.cuda import device
+    backend = kiln.backend.get_backend("cuda")
+    real = device.cupy
+    monkeypatch.setattr(device, "cupy", lambda: _PoisonedXP(real()))
+    return backend
+
+
+def rand(shape, dtype, rng, scale=1.0):
+    """Standard normal draws rounded to dtype (never zeros)."""
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def f64(a):
+    return None if a is None else np.asarray(a).astype(np.float64)
+
+
+def rel(got, ref) -> float:
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.isfinite(got).all(), "non-finite values (an unwritten, poisoned element?)"
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / (denom if denom > 0 else 1.0))
+
+
+def close(gpu, got, ref, dtype, factor=1.0):
+    host = gpu.to_numpy(got) if not isinstance(got, np.ndarray) else got
+    err = rel(host, ref)
+    assert err <= TOL[np.dtype(dtype)] * factor, f"relative error {err:.3g} > {TOL[np.dtype(dtype)] * factor:.3g}"
+
+
+@pytest.fixture
+def rng():
+    """A fresh, unseeded generator: every run draws new inputs."""
+    return np.random.default_rng()

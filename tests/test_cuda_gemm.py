@@ -19,6 +19,7 @@ import pytest
 
 import kiln
 from kiln.backend import cpu
+from tests.conftest import rel
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU with CuPy")]
@@ -34,13 +35,6 @@ def gpu():
     before = backend.get_matmul_precision()
     yield backend
     backend.set_matmul_precision(before)
-
-
-def rel(got, ref) -> float:
-    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert np.isfinite(got).all()
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def stored(rng, rows, cols, ld, dtype):

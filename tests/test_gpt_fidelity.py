@@ -7,14 +7,10 @@ import torch
 import kiln
 from kiln.nn import GPT, GPTConfig
 from kiln.optim import AdamW, clip_grad_norm_, gpt_param_groups
+from tests.conftest import rel
 from tests.torch_gpt import torch_gpt_forward, torch_params
 
 CFG = GPTConfig(vocab_size=67, block_size=16, n_layer=2, n_head=2, n_embd=24)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def batch(rng, b=3, t=16):

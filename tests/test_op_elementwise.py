@@ -1,9 +1,14 @@
+"""Elementwise ops: gradients and values on the CPU; the add and cast kernels and host/device arrays on
+the GPU (`cuda`)."""
+
+import ml_dtypes
 import numpy as np
 import pytest
 
 import kiln
 from kiln.errors import DTypeError, ShapeError
 from kiln.nn import functional as F
+from tests.conftest import BF16, DTYPE_IDS, DTYPES, rand
 from tests.gradcheck import gradcheck, randn
 
 BROADCAST_SHAPES = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((1,), (2, 3))]
@@ -68,3 +73,43 @@ def test_mismatched_dtypes_and_shapes_raise():
         a + kiln.randn(4)
     with pytest.raises(DTypeError, match="float scalar"):
         kiln.arange(3) * 0.5
+
+
+# --- arrays -------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float64, np.int64], ids=str)
+def test_asarray_roundtrip(gpu, rng, dtype):
+    x = (rng.standard_normal((3, 5)) * 10).astype(dtype)
+    d = gpu.asarray(x)
+    assert d.dtype == np.dtype(dtype) and d.shape == x.shape
+    assert np.array_equal(gpu.to_numpy(d), x)
+    assert gpu.to_numpy(gpu.zeros((2, 3), dtype)).sum() == 0
+    assert gpu.empty((4,), dtype).shape == (4,)
+
+# --- elementwise add and casts --------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [1, 7, 8, 1000, 4099, 3 * 2**20 + 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_add_and_cast_match_numpy(gpu, rng, n, dtype):
+    a, b = rand((n,), dtype, rng), rand((n,), dtype, rng)
+    got = gpu.to_numpy(gpu.add(gpu.asarray(a), gpu.asarray(b)))
+    assert np.array_equal(got, (a.astype(np.float32) + b.astype(np.float32)).astype(dtype))  # fp32 math, one rounding
+    da = gpu.asarray(a)
+    gpu.add(da, gpu.asarray(b), out=da)  # in place, as AccumulateGrad does
+    assert np.array_equal(gpu.to_numpy(da), got)
+    for to in DTYPES:
+        if np.dtype(to) != np.dtype(dtype):
+            ref = a.astype(np.float32).astype(to)  # round to nearest even, as astype does
+            assert np.array_equal(gpu.to_numpy(gpu.cast(gpu.asarray(a), to)), ref, equal_nan=True)
+
+
+@pytest.mark.cuda
+def test_add_and_cast_of_unaligned_and_strided_views(gpu, rng):
+    a, b = rand((2, 1001), np.float32, rng), rand((2, 1001), np.float32, rng)
+    da, db = gpu.asarray(a), gpu.asarray(b)
+    assert np.array_equal(gpu.to_numpy(gpu.add(da[:, 1:], db[:, 1:])), a[:, 1:] + b[:, 1:])  # strided: CuPy
+    flat_a, flat_b = gpu.asarray(a.ravel()), gpu.asarray(b.ravel())
+    assert np.array_equal(gpu.to_numpy(gpu.add(flat_a[1:], flat_b[1:])), a.ravel()[1:] + b.ravel()[1:])  # scalar loop
+    assert np.array_equal(gpu.to_numpy(gpu.cast(flat_a[3:], BF16)), a.ravel()[3:].astype(BF16))

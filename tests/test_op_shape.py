@@ -1,8 +1,11 @@
+"""Shape ops: views, indexing, cat/split on the CPU; scatter_add (the index backward) on the GPU (`cuda`)."""
+
 import numpy as np
 import pytest
 
 import kiln
 from kiln.errors import ShapeError
+from tests.conftest import close, f64, rand
 from tests.gradcheck import gradcheck, randn
 
 
@@ -58,3 +61,17 @@ def test_shape_errors():
         kiln.randn(5).split([2, 2])
     with pytest.raises(ShapeError, match="differ"):
         kiln.cat([kiln.randn(2, 3), kiln.randn(2, 4)])
+
+
+# --- scatter_add (the backward of integer indexing) on the GPU ---------------------
+
+@pytest.mark.cuda
+def test_scatter_add_repeated_indices(gpu, rng):
+    dst = rand((10, 4), np.float32, rng)
+    idx = np.array([1, 3, 1, 1, 9])
+    src = rand((5, 4), np.float32, rng)
+    d = gpu.asarray(dst)
+    gpu.scatter_add(d, gpu.asarray(idx), gpu.asarray(src))
+    ref = f64(dst)
+    np.add.at(ref, idx, f64(src))
+    close(gpu, d, ref, np.float32)

@@ -3,7 +3,7 @@
 Kernels are NVRTC-compiled CUDA C++ from `kernels/` (compiler.py), GEMMs go to cuBLASLt
 through kiln's ctypes binding (cublaslt.py), device memory comes from kiln's caching
 allocator (allocator.py), and everything runs on one kiln stream (device.py). Results agree
-with the CPU backend to a stated tolerance (tests/test_cuda_kernels.py, test_cuda_gemm.py).
+with the CPU backend to a stated tolerance (tests/test_op_<family>.py, test_cuda_gemm.py).
 Importing this module needs neither a GPU nor CuPy; `ensure_available()` checks both.
 """
 

@@ -1,0 +1,228 @@
+"""LayerNorm and the residual add fused with it: the ops against PyTorch and finite differences on the CPU; the CUDA kernels against the CPU backend (`cuda`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import kiln
+from kiln.backend import cpu
+from kiln.errors import DTypeError, ShapeError
+from kiln.nn import functional as F
+from tests.conftest import DTYPE_IDS, DTYPES, close, f64, rand, rel
+from tests.gradcheck import gradcheck, randn
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm(bias):
+    x, w, b = randn(2, 3, 6) * 3 + 1, randn(6), randn(6)
+    args = (x, w, b) if bias else (x, w)
+    ref = TF.layer_norm(torch.tensor(x), (6,), torch.tensor(w), torch.tensor(b) if bias else None, 1e-5)
+    assert rel(F.layer_norm(*[kiln.tensor(a) for a in args]).numpy(), ref.numpy()) < 1e-13
+    gradcheck(lambda *t: F.layer_norm(*t), *args)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_add_layer_norm_matches_pytorch_and_finite_differences(bias):
+    x, y, w, b = randn(2, 3, 6) * 3 + 1, randn(2, 3, 6), randn(6), randn(6)
+    args = (x, y, w, b) if bias else (x, y, w)
+    tx, ty = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+    tw, tb = torch.tensor(w, requires_grad=True), torch.tensor(b, requires_grad=True)
+    ts = tx + ty
+    th = TF.layer_norm(ts, (6,), tw, tb if bias else None, 1e-5)
+    kt = [kiln.tensor(a, requires_grad=True) for a in args]
+    s, h = F.add_layer_norm(*kt)
+    assert rel(s.numpy(), ts.detach().numpy()) < 1e-15
+    assert rel(h.numpy(), th.detach().numpy()) < 1e-13
+    gs, gh = randn(2, 3, 6), randn(2, 3, 6)
+    ((s * kiln.tensor(gs)).sum() + (h * kiln.tensor(gh)).sum()).backward()
+    ((ts * torch.tensor(gs)).sum() + (th * torch.tensor(gh)).sum()).backward()
+    for k, t in zip(kt, (tx, ty, tw, tb)):
+        assert rel(k.grad.numpy(), t.grad.numpy()) < 1e-12
+    # both outputs, weighted independently (the gradient of s and of h each reach x and y)
+    c = randn(2, 3, 6)
+    gradcheck(lambda *t: F.add_layer_norm(*t)[0] * kiln.tensor(c) + F.add_layer_norm(*t)[1], *args)
+    # only h used: s's gradient is missing (the last block of a GPT, fused with ln_f)
+    gradcheck(lambda *t: F.add_layer_norm(*t)[1], *args)
+
+
+def test_add_layer_norm_with_only_the_sum_used_passes_its_gradient_through():
+    x, y, w, b = (kiln.tensor(a, requires_grad=True) for a in (randn(4, 5), randn(4, 5), randn(5), randn(5)))
+    s, _ = F.add_layer_norm(x, y, w, b)
+    g = randn(4, 5)
+    (s * kiln.tensor(g)).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), g)
+    np.testing.assert_array_equal(y.grad.numpy(), g)
+    assert not np.shares_memory(x.grad.numpy(), y.grad.numpy())
+    assert w.grad is None and b.grad is None  # as with x + y and an unused layer_norm in PyTorch
+
+
+def test_add_layer_norm_of_one_tensor_twice_and_of_a_non_leaf():
+    x, w, b = randn(3, 8), randn(8), randn(8)
+    gradcheck(lambda a, wt, bt: F.add_layer_norm(a, a, wt, bt)[1], x, w, b)
+    gradcheck(lambda a, wt, bt: sum(F.add_layer_norm(a * 2.0, a.tanh(), wt, bt)), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_layer_norm_is_the_add_then_layer_norm(dtype):
+    """The fused forward stores exactly what x + y then layer_norm store (s rounded to the dtype
+    before it is normalised); the backward adds ds before rounding dx once, so it is at least as
+    close to float64 as the unfused pair."""
+    rng = np.random.default_rng()
+    x, y, gs, gh = (kiln.tensor(rng.standard_normal((6, 64)), dtype=dtype) for _ in range(4))
+    w, b = kiln.tensor(rng.standard_normal(64), dtype=dtype), kiln.tensor(rng.standard_normal(64), dtype=dtype)
+    ref = []
+    for fused in (True, False):
+        ts = [t.detach().requires_grad_() for t in (x, y, w, b)]
+        if fused:
+            s, h = F.add_layer_norm(*ts)
+        else:
+            s = ts[0] + ts[1]
+            h = F.layer_norm(s, ts[2], ts[3])
+        ((s * gs).to(kiln.float32).sum() + (h * gh).to(kiln.float32).sum()).backward()
+        ref.append([s.numpy(), h.numpy()] + [t.grad.numpy() for t in ts])
+    np.testing.assert_array_equal(ref[0][0], ref[1][0])
+    np.testing.assert_array_equal(ref[0][1], ref[1][1])
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for a, b in zip(ref[0][2:], ref[1][2:]):
+        assert rel(a, b.astype(np.float64)) < tol
+
+
+def test_add_layer_norm_checks_its_inputs():
+    x, w = kiln.randn(2, 4), kiln.randn(4)
+    with pytest.raises(ShapeError, match="one shape"):
+        F.add_layer_norm(x, kiln.randn(4), w)
+    with pytest.raises(DTypeError, match="dtype mismatch"):
+        F.add_layer_norm(x, kiln.randn(2, 4).to(kiln.bfloat16), w)
+    with pytest.raises(ShapeError, match="weight and bias of shape"):
+        F.add_layer_norm(x, x, kiln.randn(3))
+
+
+# --- LayerNorm ----------------------------------------------------------------------------
+
+LN_SHAPES = [(5, 768), (37, 100), (64, 1024), (9, 2048), (33, 1536), (3, 5000),
+             pytest.param((16384, 768), marks=pytest.mark.slow)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("affine", ["weight_bias", "weight_only", "none"])
+def test_layer_norm_kernels(gpu, rng, shape, dtype, affine):
+    n, c = shape
+    x = rand(shape, dtype, rng, 2.0) + np.asarray(0.5, dtype)
+    w = rand((c,), dtype, rng) if affine != "none" else None
+    b = rand((c,), dtype, rng) if affine == "weight_bias" else None
+    g = rand(shape, dtype, rng)
+    eps = 1e-5
+    y, mean, rstd = gpu.layer_norm_fwd(gpu.asarray(x), None if w is None else gpu.asarray(w),
+                                       None if b is None else gpu.asarray(b), eps)
+    ry, rmean, rrstd = cpu.layer_norm_fwd(f64(x), f64(w), f64(b), eps)
+    close(gpu, y, ry, dtype)
+    close(gpu, mean, rmean, np.float32, factor=10)
+    close(gpu, rstd, rrstd, np.float32, factor=10)
+    need_dw, need_db = w is not None, b is not None
+    dx, dw, db = gpu.layer_norm_bwd(gpu.asarray(g), gpu.asarray(x), None if w is None else gpu.asarray(w),
+                                    mean, rstd, need_dw, need_db)
+    rdx, rdw, rdb = cpu.layer_norm_bwd(f64(g), f64(x), f64(w), rmean, rrstd, need_dw, need_db)
+    close(gpu, dx, rdx, dtype, factor=10 if dtype == np.float32 else 1)
+    if need_dw:
+        close(gpu, dw, rdw, dtype, factor=10 if dtype == np.float32 else 1)
+    else:
+        assert dw is None
+    if need_db:
+        close(gpu, db, rdb, dtype, factor=10 if dtype == np.float32 else 1)
+    else:
+        assert db is None
+
+
+@pytest.mark.cuda
+def test_layer_norm_backward_is_deterministic(gpu, rng):
+    x, g, w = rand((4096, 768), np.float32, rng), rand((4096, 768), np.float32, rng), rand((768,), np.float32, rng)
+    xd, gd, wd = gpu.asarray(x), gpu.asarray(g), gpu.asarray(w)
+    _, mean, rstd = gpu.layer_norm_fwd(xd, wd, wd, 1e-5)
+    first = [gpu.to_numpy(a) for a in gpu.layer_norm_bwd(gd, xd, wd, mean, rstd, True, True)]
+    again = [gpu.to_numpy(a) for a in gpu.layer_norm_bwd(gd, xd, wd, mean, rstd, True, True)]
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+
+
+# --- residual add + LayerNorm -------------------------------------------------------------
+
+# 256 ... 1024: the register kernels forward and backward (the backward stages ds in shared
+# memory by cp.async); 1536 ... 3072: the register forward only; 4096: the generic forward
+# (add_layer_norm_fwd_reg stops at 3072) and backward; 100, 5000: generic. 3000 rows of 768:
+# more rows than the backward's 256 blocks x 8 warps, so warps loop over rows (and reuse
+# their shared-memory slot of ds).
+ALN_SHAPES = [(5, 768), (11, 256), (13, 512), (37, 100), (64, 1024), (9, 2048), (33, 1536), (6, 3072),
+              (3, 5000), (7, 4096), (3000, 768), pytest.param((16384, 768), marks=pytest.mark.slow)]
+
+
+def _add_layer_norm_case(gpu, rng, shape, dtype, affine, with_ds, x_dev=None, y_dev=None):
+    n, c = shape
+    x = rand(shape, dtype, rng, 2.0) + np.asarray(0.5, dtype)
+    y = rand(shape, dtype, rng)
+    w = rand((c,), dtype, rng) if affine != "none" else None
+    b = rand((c,), dtype, rng) if affine == "weight_bias" else None
+    gs = rand(shape, dtype, rng) if with_ds else None
+    gh = rand(shape, dtype, rng)
+    eps = 1e-5
+    xd = gpu.asarray(x) if x_dev is None else x_dev(x)
+    yd = gpu.asarray(y) if y_dev is None else y_dev(y)
+    s, h, mean, rstd = gpu.add_layer_norm_fwd(xd, yd, None if w is None else gpu.asarray(w),
+                                              None if b is None else gpu.asarray(b), eps)
+    # s is x + y in fp32 rounded once to the dtype, bit for bit what the `add` kernel stores
+    s_ref = (x.astype(np.float32) + y.astype(np.float32)).astype(dtype)
+    assert np.array_equal(gpu.to_numpy(s), s_ref)
+    ry, rmean, rrstd = cpu.layer_norm_fwd(f64(s_ref), f64(w), f64(b), eps)
+    close(gpu, h, ry, dtype)
+    close(gpu, mean, rmean, np.float32, factor=10)
+    close(gpu, rstd, rrstd, np.float32, factor=10)
+    need_dw, need_db = w is not None, b is not None
+    dx, dw, db = gpu.add_layer_norm_bwd(None if gs is None else gpu.asarray(gs), gpu.asarray(gh), s,
+                                        None if w is None else gpu.asarray(w), mean, rstd, need_dw, need_db)
+    rdx, rdw, rdb = cpu.add_layer_norm_bwd(f64(gs), f64(gh), f64(s_ref), f64(w), rmean, rrstd, need_dw, need_db)
+    factor = 10 if dtype == np.float32 else 1
+    close(gpu, dx, rdx, dtype, factor=factor)
+    if need_dw:
+        close(gpu, dw, rdw, dtype, factor=factor)
+    else:
+        assert dw is None
+    if need_db:
+        close(gpu, db, rdb, dtype, factor=factor)
+    else:
+        assert db is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", ALN_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("affine", ["weight_bias", "weight_only", "none"])
+@pytest.mark.parametrize("with_ds", [True, False], ids=["ds", "no_ds"])
+def test_add_layer_norm(gpu, rng, shape, dtype, affine, with_ds):
+    _add_layer_norm_case(gpu, rng, shape, dtype, affine, with_ds)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_add_layer_norm_unaligned_views(gpu, rng, dtype):
+    """Rows that start 2 elements past a 16-byte boundary take the generic kernels."""
+    def unaligned(a):
+        flat = gpu.asarray(np.concatenate([np.zeros(2, a.dtype), a.ravel()]))
+        return flat[2:].reshape(a.shape)
+    _add_layer_norm_case(gpu, rng, (19, 768), dtype, "weight_bias", True, x_dev=unaligned)
+    _add_layer_norm_case(gpu, rng, (19, 768), dtype, "weight_bias", True, y_dev=unaligned)
+
+
+@pytest.mark.cuda
+def test_add_layer_norm_backward_is_deterministic(gpu, rng):
+    x, y = rand((4096, 768), np.float32, rng), rand((4096, 768), np.float32, rng)
+    gs, gh, w = rand((4096, 768), np.float32, rng), rand((4096, 768), np.float32, rng), rand((768,), np.float32, rng)
+    wd, gsd, ghd = gpu.asarray(w), gpu.asarray(gs), gpu.asarray(gh)
+    s, _, mean, rstd = gpu.add_layer_norm_fwd(gpu.asarray(x), gpu.asarray(y), wd, wd, 1e-5)
+    first = [gpu.to_numpy(a) for a in gpu.add_layer_norm_bwd(gsd, ghd, s, wd, mean, rstd, True, True)]
+    again = [gpu.to_numpy(a) for a in gpu.add_layer_norm_bwd(gsd, ghd, s, wd, mean, rstd, True, True)]
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
