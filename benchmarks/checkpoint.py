@@ -30,7 +30,7 @@ Every loaded state is compared with the saved one, bit for bit, outside the timi
 Ratios are kiln / torch within each round (the same machine state for both; this VM's memory
 and disk make single figures swing by 2x), their median over the rounds; targets: kiln save and
 load no slower than torch's; the async stall under 10% of torch's save (in training, same round).
-Writes benchmarks/results/checkpoint-<date>.json and prints a table.
+Writes benchmarks/results/checkpoint/checkpoint-<date>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def main() -> None:
                          if k == "gpt2-44m" else {"n_layer": 12, "n_head": 12, "n_embd": 768,
                                                   "vocab_size": 50304, "block_size": 1024} for k in results},
               "repeats": a.repeats, "results": results}
-    out = ROOT / "benchmarks" / "results" / f"checkpoint-{record['date']}.json"
+    out = ROOT / "benchmarks" / "results" / "checkpoint" / f"checkpoint-{record['date']}.json"
     out.write_text(json.dumps(record, indent=2))
     cols = [("kiln save", "kiln_save"), ("torch save", "torch_save"), ("torch save+sha", "torch_sha_save"),
             ("kiln load", "kiln_load"), ("torch load", "torch_load"), ("torch sha+load", "torch_sha_load"),

@@ -4,7 +4,7 @@
 
 Each framework trains in its own subprocess (so peak RSS is its own), from the same initial
 weights and on the same batches of the bundled corpus, fp32, AdamW, clipping at 1.0. Writes
-benchmarks/results/cpu_train-<date>.json and prints a table.
+benchmarks/results/cpu_train/cpu_train-<date>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
         "peak_rss_ratio": k["peak_rss_mib"] / t["peak_rss_mib"],
         "largest_relative_loss_difference": diff,
     }
-    out = ROOT / "benchmarks" / "results" / f"cpu_train-{record['date']}.json"
+    out = ROOT / "benchmarks" / "results" / "cpu_train" / f"cpu_train-{record['date']}.json"
     out.write_text(json.dumps(record, indent=2))
     print(f"{'':8}{'tokens/s':>12}{'step ms':>10}{'peak RSS MiB':>14}{'(over start)':>14}")
     for name, r in (("kiln", k), ("pytorch", t)):

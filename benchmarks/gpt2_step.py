@@ -7,7 +7,7 @@ batches (the bundled corpus as bytes, B x T tokens a step), with AdamW (fused in
 clipping at 1.0 and lr 6e-4. tokens/s is the median over the steps after --warmup; peak memory
 is the framework's own peak of allocated device memory; fidelity is the largest difference of
 the per-step losses against PyTorch eager in the same mode. Writes
-benchmarks/results/gpt2_step-<date>.json and .md.
+benchmarks/results/gpt2_step/gpt2_step-<date>.json and .md.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--n-layer", type=int, default=12)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpt2_step"))
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                     help="kiln runs every step op by op (default: replayed as one CUDA graph from step 2)")
     ap.add_argument("--kernel-profile", metavar="DIR",

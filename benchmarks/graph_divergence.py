@@ -1,6 +1,6 @@
 """Diagnostic for the open CUDA-graph bug: eager vs graph-replayed training of small GPTs in one process.
 
-    PYTHONPATH=src python benchmarks/graph_divergence.py     (GPU; output in benchmarks/results/cuda-graph-divergence-*.log)
+    PYTHONPATH=src python benchmarks/graph_divergence.py     (GPU; output in benchmarks/results/diagnostics/cuda-graph-divergence-*.log)
 
 Each line trains the same model twice (op by op, then replayed as a CUDA graph from step 2) and
 prints the largest loss and parameter differences, and, at the first replayed step, how far the

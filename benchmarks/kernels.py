@@ -4,7 +4,7 @@
 
 Per kernel family and dtype: median milliseconds of kiln and of PyTorch, and the GB/s of the
 bytes that must move (memory-bound kernels) or TFLOP/s (attention). Prints a table and writes
-benchmarks/results/kernels-<date>.json with the commit, the device, the command and every figure.
+benchmarks/results/kernels/kernels-<date>.json with the commit, the device, the command and every figure.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--only", default=",".join(BENCHES), help="comma-separated families: " + ",".join(BENCHES))
-    p.add_argument("--out", default=None, help="result file (default benchmarks/results/kernels-<date>.json)")
+    p.add_argument("--out", default=None, help="result file (default benchmarks/results/kernels/kernels-<date>.json)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import torch
@@ -339,7 +339,7 @@ def main(argv=None) -> int:
               "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
               "rows": rows}
-    out = Path(args.out) if args.out else root / "benchmarks" / "results" / f"kernels-{datetime.date.today()}.json"
+    out = Path(args.out) if args.out else root / "benchmarks" / "results" / "kernels" / f"kernels-{datetime.date.today()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -1,6 +1,6 @@
 """Host-side ShardLoader throughput from memory-mapped shards, GPT-2 124M's batch (B=16, T=1024), one core.
 
-Writes benchmarks/results/loader-<date>.json (commit, machine, command, every figure) and prints a table.
+Writes benchmarks/results/loader/loader-<date>.json (commit, machine, command, every figure) and prints a table.
 The shards are written just before they are read, so they sit in the page cache: this measures the
 loader, not the disk.
 """
@@ -21,7 +21,7 @@ import numpy as np
 from kiln.data.loader import ShardLoader
 from kiln.data.shards import write_shard
 
-RESULTS = Path(__file__).with_name("results")
+RESULTS = Path(__file__).with_name("results") / "loader"
 
 
 def machine() -> dict:
@@ -94,7 +94,7 @@ def main() -> None:
               "config": {"batch_size": args.batch_size, "seq_len": args.seq_len, "shards": args.shards,
                          "shard_tokens": args.shard_tokens, "cores": 1, "page_cache": "warm"},
               "target_tokens_per_s": target, "results": rows}
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"loader-{result['date']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
 
