@@ -100,8 +100,8 @@ class NCCLEngine:
         return self._work(f"recv from {src} of {array.size} {array.dtype}", lambda: self.comm.recv(array, src))
 
     def barrier(self) -> Work:
-        from kiln.backend.cuda import device as rt
-        token = rt.cupy().zeros(1, dtype="float32")
+        from kiln.backend import get_backend
+        token = get_backend("cuda").zeros((1,), "float32")
         work = self.all_reduce(token, "sum")
         work.synchronize()
         return work
