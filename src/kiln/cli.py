@@ -175,6 +175,8 @@ def main(argv=None) -> int:
         return args.run(args)
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
+        if "kiln.distributed" in sys.modules:  # the other ranks must not wait for this one
+            sys.modules["kiln.distributed"].abort_job(f"{type(e).__name__} on rank {sys.modules['kiln.distributed'].get_rank()}")
         return 2
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
