@@ -162,6 +162,7 @@ def torch_all_reduce_ms(tdist, args, nbytes: int) -> float:
 
 def torch_train(args, batches, ddp_on: bool) -> dict:
     import torch
+
     from tests.torch_gpt import torch_gpt_forward, torch_params
     dev = "cuda" if args.device == "cuda" else "cpu"
     kmodel, cfg = kiln_model(args)
