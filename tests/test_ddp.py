@@ -128,8 +128,8 @@ def test_trainer_parallel_settings_are_checked():
     from kiln.errors import NotBuiltError
     from kiln.train import TrainConfig, Trainer
     from kiln.train.config import accumulation_steps
-    small = dict(model_overrides={"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16}, device="cpu",
-                 progress=False, batch_size=2)
+    small = {"model_overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16}, "device": "cpu",
+             "progress": False, "batch_size": 2}
     with pytest.raises(ConfigError, match="unknown parallel mode 'tp'; allowed: none, ddp, zero1, zero2, fsdp"):
         Trainer(TrainConfig(**small, parallel="tp"))
     with pytest.raises(NotBuiltError, match="parallel='fsdp' .* is not built yet"):

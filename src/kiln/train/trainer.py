@@ -133,7 +133,6 @@ class Trainer:
         On CUDA with config.cuda_graph, from the third step on (the first two warm the allocator,
         kernels and GEMM plans) the step runs as one captured CUDA graph; eager=True, the
         profiler and models with dropout (its random stream advances on the host) run it op by op."""
-        c = self.config
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
