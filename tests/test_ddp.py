@@ -94,3 +94,54 @@ def test_ddp_on_w_ranks_equals_one_process_on_the_whole_batch(n, dtype, accum, t
         assert res["norms"][0] > 0.5  # the clip (0.5) acted on the first step at least
         assert res["buckets"] >= 3 and res["launches"] == [res["buckets_after"]] * 5  # none on micro-steps
         assert (res["start_diff"] > 0.01) == (r > 0)  # ranks started apart; the broadcast made them equal
+
+
+@pytest.mark.dist
+def test_trainer_ddp_on_two_ranks_equals_one_process_on_the_global_batch(tmp_path):
+    """Rank r reads its rows of each global batch (the loader's rank stride), gradients and the
+    logged and evaluated losses are averaged over ranks: the run is the single-process one."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from kiln.train import TrainConfig, Trainer
+    results, _, _ = run_ranks("train_ddp.py", 2, tmp_path, tmp_path / "ddp", 2, timeout=120)
+    assert [r["grad_accum"] for r in results] == [2, 2]  # 256 tokens / (2 rows x 32 x 2 ranks)
+    assert [r["summary"]["run_dir"] is None for r in results] == [False, True]
+    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == ["ddp"]  # one run folder, rank 0's
+    single = Trainer(TrainConfig(model_overrides={"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32},
+                                 precision="fp64", batch_size=4, seq_len=32, grad_accum=2, max_steps=4,
+                                 eval_interval=2, eval_iters=3, sample_tokens=10, device="cpu", progress=False,
+                                 out_dir=str(tmp_path / "single"), run_name="one", warmup_steps=1)).fit()
+    ddp_rows = [json.loads(line) for line in (tmp_path / "ddp" / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    one_rows = [json.loads(line) for line in (tmp_path / "single" / "one" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(ddp_rows, one_rows, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-12 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-12, (a, b)
+        assert ("val_loss" in a) == ("val_loss" in b) and abs(a.get("val_loss", 0) - b.get("val_loss", 0)) < 1e-12
+    assert abs(results[1]["summary"]["final_val_loss"] - single["final_val_loss"]) < 1e-12
+    w_ddp = load_file(str(tmp_path / "ddp" / "ddp" / "model.safetensors"))
+    w_one = load_file(str(tmp_path / "single" / "one" / "model.safetensors"))
+    assert max(float(np.max(np.abs(w_ddp[k] - w_one[k]))) for k in w_one) < 1e-12
+
+
+def test_trainer_parallel_settings_are_checked():
+    from kiln.errors import NotBuiltError
+    from kiln.train import TrainConfig, Trainer
+    from kiln.train.config import accumulation_steps
+    small = {"model_overrides": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16}, "device": "cpu",
+             "progress": False, "batch_size": 2}
+    with pytest.raises(ConfigError, match="unknown parallel mode 'tp'; allowed: none, ddp, zero1, zero2, fsdp"):
+        Trainer(TrainConfig(**small, parallel="tp"))
+    with pytest.raises(NotBuiltError, match="parallel='fsdp' .* is not built yet"):
+        Trainer(TrainConfig(**small, parallel="fsdp"))
+    assert accumulation_steps(TrainConfig(batch_size=4, global_batch=4 * 64 * 2 * 3), 64, 2) == 3
+    with pytest.raises(ConfigError, match="global_batch 1000 tokens is not a multiple of .* 4 x 64 x 2 = 512"):
+        accumulation_steps(TrainConfig(batch_size=4, global_batch=1000), 64, 2)
+    with pytest.raises(ConfigError, match="not both"):
+        accumulation_steps(TrainConfig(batch_size=4, global_batch=512, grad_accum=2), 64, 2)
+
+
+def test_cli_parallel_flags_reach_the_config():
+    from kiln.cli import build_parser
+    args = build_parser().parse_args(["train", "--parallel", "ddp", "--global-batch", "4096", "--bucket-mb", "5"])
+    assert (args.parallel, args.global_batch, args.bucket_mb) == ("ddp", 4096, 5.0)

@@ -121,12 +121,12 @@ def test_collectives_match_numpy(n, tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("mode", ["stall", "kill"])
+@pytest.mark.parametrize("mode", ["stall", "kill", "raise"])
 def test_a_dead_or_stalled_rank_fails_every_rank_within_the_timeout(mode, tmp_path):
-    timeout = 3.0
+    timeout = 60.0 if mode == "raise" else 3.0
     results, proc, seconds = run_ranks("fault.py", 4, tmp_path, mode, timeout, timeout=60, expect_ok=False)
     assert proc.returncode != 0
-    assert seconds < timeout + 20, seconds  # torn down, not hung
+    assert seconds < min(timeout + 20, 30), seconds  # torn down, not hung
     if mode == "stall":  # the live ranks report the timeout; rank 1 is aborted with the job
         for r in (0, 2, 3):
             assert results[r] is not None, (r, proc.stderr)
@@ -134,6 +134,8 @@ def test_a_dead_or_stalled_rank_fails_every_rank_within_the_timeout(mode, tmp_pa
             assert timeout - 0.5 < results[r]["seconds"] < timeout + 5
         assert results[1] is None
         assert "kiln: distributed error: rank" in proc.stderr
+    elif mode == "raise":  # long before the (60 s) timeout: the raising rank aborts the job
+        assert "RuntimeError: rank 1 broke" in proc.stderr and "kiln: aborting all 4 ranks" in proc.stderr
     else:  # mpiexec sees the killed rank and tears every other rank down
         assert all(res is None or res["error"] for res in results), results
         assert "Killed" in proc.stdout + proc.stderr or "signal 9" in proc.stdout + proc.stderr

@@ -45,9 +45,13 @@ def _train(args) -> int:
     else:
         cfg = TrainConfig(**given, model_overrides=_parse_overrides(args.set))
         trainer = Trainer(cfg)
+    if trainer.rank != 0:  # rank 0 alone reports and writes
+        s = trainer.fit()
+        return {"SIGINT": 130, "SIGTERM": 143}.get(s.get("interrupted"), 0)
+    ranks = f" x {trainer.world_size} ranks ({cfg.parallel})" if trainer.world_size > 1 else ""
     print(f"kiln: training {cfg.model} ({trainer.model.num_parameters() / 1e6:.2f}M parameters) on "
           f"{trainer.device}, data {trainer.data_dir}, {cfg.max_steps} steps of "
-          f"{cfg.batch_size}x{trainer.seq_len} tokens", flush=True)
+          f"{cfg.batch_size}x{trainer.seq_len} tokens x {trainer.grad_accum} micro-steps{ranks}", flush=True)
     s = trainer.fit()
     if s.get("interrupted"):
         saved = f"saved {s['checkpoint']}; continue with `kiln train --resume {s['run_dir']}`" \
@@ -161,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
                    help="on CUDA, run every step op by op (default: from the third step on, each step is "
                         "replayed as one captured CUDA graph)")
+    t.add_argument("--parallel", help="none (default) or ddp: data parallel over the ranks of `mpiexec -n N` "
+                   "(CPU) or of torchrun/SLURM/kiln launch (GPUs); zero1, zero2, fsdp: not built yet")
+    t.add_argument("--global-batch", type=int,
+                   help="tokens per optimizer step; sets grad_accum = global / (batch x seq_len x ranks)")
+    t.add_argument("--bucket-mb", type=float, help="ddp: gradient bucket size in MB (default 25)")
     t.set_defaults(run=_train)
 
     s = sub.add_parser("sample", help="generate text from a trained run")
@@ -199,6 +208,8 @@ def main(argv=None) -> int:
         return args.run(args)
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
+        if "kiln.distributed" in sys.modules:  # the other ranks must not wait for this one
+            sys.modules["kiln.distributed"].abort_job(f"{type(e).__name__} on rank {sys.modules['kiln.distributed'].get_rank()}")
         return 2
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""A rank that dies or stalls in the middle of an all-reduce (argv: kill|stall, timeout seconds).
+"""A rank that dies, stalls or raises in the middle of an all-reduce (argv: kill|stall|raise, timeout s).
 
 The other ranks must leave with a DistributedError within the timeout: they write what they
 caught (and how long the collective took) before the job is aborted."""
@@ -21,6 +21,8 @@ world.all_reduce(t, "sum")  # everyone is up and talking
 if world.rank == 1:
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "raise":  # an uncaught exception: its excepthook aborts the job, nobody waits for the timeout
+        raise RuntimeError("rank 1 broke")
     time.sleep(600)  # stalled: never joins the next all-reduce
 t0 = time.monotonic()
 try:

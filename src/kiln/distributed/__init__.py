@@ -14,6 +14,7 @@ from kiln.distributed.environment import Environment, detect
 from kiln.distributed.mesh import DeviceMesh
 from kiln.distributed.process_group import (
     ProcessGroup,
+    abort_job,
     all_reduce,
     barrier,
     broadcast,
@@ -40,7 +41,7 @@ __all__ = [
     "StoreServer",
     "TCPStore",
     "Work",
-    "all_reduce",
+    "abort_job", "all_reduce",
     "barrier",
     "broadcast",
     "destroy_process_group",

@@ -4,7 +4,11 @@ Each collective runs on the communicator's high-priority comm stream, ordered af
 compute stream by an event, and returns a Work holding the event recorded after it; waiting
 on the Work makes the compute stream wait on that event (no host block), so a step that uses
 it can be captured as one CUDA graph. The host blocks only in `Work.synchronize()`, polling
-the event and NCCL's async error against the deadline, then ncclCommAbort (DESIGN.md).
+the event and NCCL's async error against the deadline, then ncclCommAbort (DESIGN.md). Since
+a host blocked elsewhere (`loss.item()` behind a collective that never ends) would wait forever,
+a watchdog thread checks every eager collective in flight the same way, and on a timeout or an
+NCCL error aborts the communicator and ends the process (as torch's NCCL watchdog does).
+Collectives replayed inside a CUDA graph are not watched (their events belong to the graph).
 
 The communicator's unique id, and the agreement on sub-groups, travel over a host channel:
 MPI when the run is under mpiexec, else the rendezvous store (`StoreChannel`).
@@ -13,6 +17,9 @@ MPI when the run is under mpiexec, else the rendezvous store (`StoreChannel`).
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 
 from kiln.distributed.work import Work, fail
 from kiln.errors import DistributedError
@@ -71,12 +78,40 @@ class NCCLEngine:
             uid = bytes.fromhex(channel.exchange(uid.hex() if uid is not None else None)[0])
         self.comm = nccl.Communicator(uid, size, rank)
         self._splits = 0
+        self._inflight: list = []  # (event, start, what) of eager collectives, for the watchdog
+        self._lock = threading.Lock()
+        if size > 1:
+            threading.Thread(target=self._watch, name="kiln-nccl-watchdog", daemon=True).start()
 
     def _work(self, what: str, launch) -> Work:
         if self.broken:
             raise DistributedError(f"rank {self.rank}: this process group failed before; it cannot run {what}")
         event = launch()
+        from kiln.graph import capturing
+        if not capturing():
+            with self._lock:
+                self._inflight.append((event, time.monotonic(), what))
         return Work(self, what, lambda: self.nccl.event_done(event), event=event)
+
+    def _watch(self) -> None:
+        from kiln.graph import capturing
+        while not self.broken:
+            time.sleep(min(1.0, self.timeout / 10))
+            if capturing():  # no device queries while a graph records
+                continue
+            error = self.comm.async_error()
+            now = time.monotonic()
+            with self._lock:
+                self._inflight = [w for w in self._inflight if not self.nccl.event_done(w[0])]
+                late = next((w for w in self._inflight if now - w[1] > self.timeout), None)
+            if error is None and late is None:
+                continue
+            message = f"rank {self.rank} of {self.size}: " + (
+                f"NCCL reported an error: {error}" if error is not None else
+                f"{late[2]} did not complete within {self.timeout:g} s: a peer rank is dead or stalled")
+            fail(self, message + "; aborting NCCL and exiting")
+            self.comm.abort()
+            os._exit(1)
 
     def all_reduce(self, array, op: str) -> Work:
         return self._work(f"all_reduce({op}) of {array.size} {array.dtype}",
@@ -100,8 +135,8 @@ class NCCLEngine:
         return self._work(f"recv from {src} of {array.size} {array.dtype}", lambda: self.comm.recv(array, src))
 
     def barrier(self) -> Work:
-        from kiln.backend.cuda import device as rt
-        token = rt.cupy().zeros(1, dtype="float32")
+        from kiln.backend import get_backend
+        token = get_backend("cuda").zeros((1,), "float32")
         work = self.all_reduce(token, "sum")
         work.synchronize()
         return work

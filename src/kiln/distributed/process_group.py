@@ -14,6 +14,7 @@ and the job is aborted when the process exits (never a hang). Paper §2.2, §4.
 from __future__ import annotations
 
 import os
+import sys
 
 from kiln.distributed.environment import Environment, detect
 from kiln.distributed.work import Work
@@ -182,7 +183,32 @@ def init_process_group(backend: str = "auto", timeout: float | None = None,
     else:
         engine = _nccl_world(env, timeout)
     _world = ProcessGroup(engine, list(range(env.world_size)), backend)
+    if env.world_size > 1:
+        _abort_on_uncaught_exceptions()
     return _world
+
+
+def _abort_on_uncaught_exceptions() -> None:
+    """A rank that dies of an exception aborts the job at once, rather than leaving the others to
+    wait for it (in their next collective, until the timeout) or in MPI_Finalize (mpi4py's -m
+    runner does the same)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        abort_job(f"{kind.__name__} on rank {get_rank()}")
+
+    sys.excepthook = hook
+
+
+def abort_job(reason: str) -> None:
+    """Tear the whole run down now (MPI_Abort / ncclCommAbort), saying why on stderr: for a rank
+    that must stop while the others may be inside a collective with it (the CLI on an error)."""
+    if _world is None or _world.size == 1:
+        return
+    sys.stderr.write(f"kiln: aborting all {_world.size} ranks: {reason}\n")
+    sys.stderr.flush()
+    _world.abort()
 
 
 def _mpi_world(env: Environment, timeout: float):

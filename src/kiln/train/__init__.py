@@ -11,5 +11,13 @@ from kiln.data.shards import unigram_entropy
 from kiln.train.config import TrainConfig, apply_precision, resolve_device
 from kiln.train.trainer import Trainer
 
-__all__ = ["TrainConfig", "Trainer", "apply_precision", "resolve_device", "load_run", "load_pretrained",
-           "plot_losses", "unigram_entropy"]
+__all__ = [
+           "TrainConfig",
+           "Trainer",
+           "apply_precision",
+           "load_pretrained",
+           "load_run",
+           "plot_losses",
+           "resolve_device",
+           "unigram_entropy",
+]

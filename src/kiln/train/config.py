@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import kiln
-from kiln.backend import cuda_is_available, device as parse_device
+from kiln.backend import cuda_is_available
+from kiln.backend import device as parse_device
 from kiln.errors import ConfigError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
+PARALLEL = ("none", "ddp", "zero1", "zero2", "fsdp")
 
 
 @dataclass
@@ -45,6 +47,9 @@ class TrainConfig:
     async_checkpoint: bool = True            # write checkpoints on a background thread
     init_from: str | None = None             # start from these weights: a kiln run or a Hugging Face GPT-2 folder
     cuda_graph: bool = True                  # on CUDA, replay each step from the third as one captured CUDA graph
+    parallel: str = "none"                   # ddp: data parallel over the launcher's ranks (kiln.distributed)
+    global_batch: int | None = None          # tokens per optimizer step; sets grad_accum (Algorithm 1, line 1)
+    bucket_mb: float = 25.0                  # ddp: gradient bucket size in MB
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
@@ -69,6 +74,12 @@ class TrainConfig:
                               f"got {self.checkpoint_interval!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
             raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {self.keep_checkpoints!r}")
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"unknown parallel mode {self.parallel!r}; allowed: {', '.join(PARALLEL)}")
+        if self.global_batch is not None and (not isinstance(self.global_batch, int) or self.global_batch <= 0):
+            raise ConfigError(f"global_batch must be a positive number of tokens, got {self.global_batch!r}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
 
 
 def resolve_device(name: str):
@@ -90,6 +101,19 @@ def apply_precision(model, precision: str, device) -> None:
     device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
 
 
+
+def accumulation_steps(config: TrainConfig, seq_len: int, world_size: int) -> int:
+    """Micro-steps per optimizer step: global_batch / (B·T·W) (Algorithm 1, line 1), or grad_accum."""
+    if config.global_batch is None:
+        return config.grad_accum
+    per = config.batch_size * seq_len * world_size
+    if config.grad_accum != 1:
+        raise ConfigError(f"give global_batch ({config.global_batch}) or grad_accum ({config.grad_accum}), "
+                          "not both: global_batch sets grad_accum")
+    if config.global_batch % per:
+        raise ConfigError(f"global_batch {config.global_batch} tokens is not a multiple of batch_size x seq_len "
+                          f"x world size = {config.batch_size} x {seq_len} x {world_size} = {per}")
+    return config.global_batch // per
 
 
 RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints",

@@ -37,11 +37,28 @@ from kiln.checkpoint.run_folder import (
 )
 from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
-from kiln.errors import ConfigError, DataError
+from kiln.errors import ConfigError, DataError, NotBuiltError
 from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
-from kiln.train.config import RESUME_OVERRIDES, TrainConfig, apply_precision, resolve_device
+from kiln.train.config import (
+    RESUME_OVERRIDES,
+    TrainConfig,
+    accumulation_steps,
+    apply_precision,
+    resolve_device,
+)
+
+
+def data_parallel_group(parallel: str, device):
+    """The world process group for a parallel run (NCCL on CUDA, MPI on the CPU), None for "none"."""
+    if parallel == "none":
+        return None
+    if parallel != "ddp":
+        raise NotBuiltError(f"parallel={parallel!r} (ZeRO/FSDP) is not built yet; built: none, ddp")
+    from kiln.distributed import init_process_group
+    return init_process_group("nccl" if device.type == "cuda" else "mpi")
+
 
 
 class Trainer:
@@ -51,6 +68,8 @@ class Trainer:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
+        self.group = data_parallel_group(config.parallel, self.device)
+        self.rank, self.world_size = (self.group.rank, self.group.size) if self.group else (0, 1)
         data = Path(config.data) if config.data is not None else bundled_dataset()
         if not data.exists():
             raise DataError(f"data path {str(data)!r} does not exist; make one with `kiln prepare`")
@@ -69,9 +88,11 @@ class Trainer:
         if self.seq_len > self.model_config.block_size:
             raise ConfigError(f"seq_len {self.seq_len} is longer than the model's context "
                               f"{self.model_config.block_size}")
-        # on cuda the loaders stage batches through pinned memory on a copy stream (Algorithm 2)
+        self.grad_accum = accumulation_steps(config, self.seq_len, self.world_size)
+        # on cuda the loaders stage batches through pinned memory on a copy stream (Algorithm 2);
+        # rank r of W reads its own rows of each global batch (the loader's rank stride)
         loader_args = dict(batch_size=config.batch_size, seq_len=self.seq_len, seed=config.seed,
-                           device=self.device)
+                           device=self.device, rank=self.rank, world_size=self.world_size)
         self.train_loader = ShardLoader(data, "train", **loader_args)
         self.val_loader = ShardLoader(data, "val", **loader_args)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -83,6 +104,10 @@ class Trainer:
         if pretrained is not None:
             self.model.load_state_dict(pretrained.state_dict())
         apply_precision(self.model, config.precision, self.device)
+        self.ddp = None
+        if self.group is not None:  # rank 0's weights everywhere, gradients averaged in buckets
+            from kiln.distributed import DistributedDataParallel
+            self.ddp = DistributedDataParallel(self.model, self.group, bucket_cap_mb=config.bucket_mb)
         self.optimizer = AdamW(gpt_param_groups(self.model, config.weight_decay), lr=config.lr,
                                betas=config.betas, eps=config.eps)
         self.step = 0
@@ -109,11 +134,10 @@ class Trainer:
         On CUDA with config.cuda_graph, from the third step on (the first two warm the allocator,
         kernels and GEMM plans) the step runs as one captured CUDA graph; eager=True, the
         profiler and models with dropout (its random stream advances on the host) run it op by op."""
-        c = self.config
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batches = [t for _ in range(c.grad_accum) for t in self._batch(self.train_loader)]
+        batches = [t for _ in range(self.grad_accum) for t in self._batch(self.train_loader)]
         loss = None
         if not eager and self._use_graph():
             if self._graph_step is None:
@@ -138,17 +162,24 @@ class Trainer:
     def _step_body(self, *batches):
         """zero_grad, forward and backward over the micro-batches (x0, y0, x1, y1, ...), clip, update:
         device work only, so that it can be recorded as a CUDA graph. (mean loss, grad norm)."""
-        c = self.config
+        c, accum = self.config, self.grad_accum
         self.optimizer.zero_grad()
         total = None
-        for x, y in zip(batches[::2], batches[1::2]):
-            _, loss = self.model(x, y)
-            (loss / c.grad_accum).backward() if c.grad_accum > 1 else loss.backward()
+        for i, (x, y) in enumerate(zip(batches[::2], batches[1::2])):
+            # DDP: accumulation micro-steps communicate nothing; the last one all-reduces (Algorithm 1)
+            with self.ddp.no_sync() if self.ddp is not None and i < accum - 1 else contextlib.nullcontext():
+                _, loss = self.model(x, y)
+                (loss / accum).backward() if accum > 1 else loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+        if self.ddp is not None:
+            self.ddp.wait_gradients()
         # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
         norm = self.optimizer.clip_grad_norm_(c.grad_clip) if c.grad_clip > 0 else None
         self.optimizer.step()
-        return (total / c.grad_accum if c.grad_accum > 1 else total), norm
+        total = total / accum if accum > 1 else total
+        if self.group is not None:  # the logged loss is the global batch's
+            self.group.all_reduce(total, "avg")
+        return total, norm
 
     @kiln.no_grad()
     def evaluate(self) -> float:
@@ -160,7 +191,11 @@ class Trainer:
             x, y = self._batch(self.val_loader)
             losses.append(self.model(x, y)[1].item())
         self.model.train()
-        return float(np.mean(losses))
+        if self.group is None:
+            return float(np.mean(losses))
+        mean = kiln.tensor([np.mean(losses)], dtype="float64", device=self.device)
+        self.group.all_reduce(mean, "avg")  # each rank evaluated its own rows: the mean over ranks
+        return float(mean.item())
 
     def sample(self, prompt: str, tokens: int, seed: int | None = None) -> str:
         """Text after prompt; seed None draws from the trainer's sampling RNG (saved in checkpoints)."""
@@ -176,6 +211,8 @@ class Trainer:
         from tqdm import tqdm
         c = self.config
         resumed = self.run_dir is not None  # Trainer.from_checkpoint: continue that run folder
+        if self.rank != 0:  # rank 0 alone writes the run folder: logs, plots, samples, checkpoints
+            return self._fit_without_writing()
         if not resumed:
             self.run_dir = new_run_dir(c.out_dir, c.run_name, c.model)
             self.tokenizer.save(self.run_dir)
@@ -183,7 +220,7 @@ class Trainer:
                          data=str(self.data_dir), device=str(self.device))
         run = self.run_dir
         entropy = unigram_entropy(self.train_loader.paths, self.tokenizer.vocab_size)
-        tokens_per_step = c.batch_size * self.seq_len * c.grad_accum
+        tokens_per_step = c.batch_size * self.seq_len * self.grad_accum * self.world_size
         history = logged_rows(run / METRICS, self.step) if resumed else []
         evals = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
         checkpoints, saver, saved = self._checkpointing(run)
@@ -191,7 +228,7 @@ class Trainer:
         with open(run / METRICS, "a" if resumed else "w") as log, self._stop_on_signals(), \
                 tqdm(total=c.max_steps, initial=self.step, disable=not c.progress, unit="step",
                      dynamic_ncols=True) as bar:
-            while self.step < c.max_steps and self.stop_signal is None:
+            while self.step < c.max_steps and self._keep_going():
                 if saver is not None:
                     saver.check()  # a failed background save is reported here, at the next step
                 t0 = time.perf_counter()
@@ -238,6 +275,27 @@ class Trainer:
                    "checkpoint_stall_s": float(np.median(self.checkpoint_stalls)) if self.checkpoint_stalls else None}
         (run / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _keep_going(self) -> bool:
+        """No stop signal here (nor, with several ranks, on any rank: they stop at the same step)."""
+        if self.group is not None:
+            flag = kiln.tensor([self.stop_signal or 0], dtype="int64", device=self.device)
+            self.group.all_reduce(flag, "max")
+            self.stop_signal = int(flag.item()) or None
+        return self.stop_signal is None
+
+    def _fit_without_writing(self) -> dict:
+        """fit() on a rank other than 0: the same steps, evaluations and collectives, no files."""
+        c = self.config
+        val = None
+        with self._stop_on_signals():
+            while self.step < c.max_steps and self._keep_going():
+                self.train_step()
+                if self.step % c.eval_interval == 0 or self.step == c.max_steps:
+                    val = self.evaluate()
+        return {"run_dir": None, "rank": self.rank, "steps": self.step, "final_train_loss": self.last_loss,
+                "final_val_loss": val,
+                **({"interrupted": signal.Signals(self.stop_signal).name} if self.stop_signal else {})}
 
     def _profiled_steps(self, n: int, run: Path) -> dict:
         """n steps under the profiler; writes trace.json (Perfetto) and profile.txt; the last row."""
@@ -319,7 +377,7 @@ class Trainer:
         self.sample_rng.bit_generator.state = state["rng"]["sample"]
 
     @classmethod
-    def from_checkpoint(cls, run_dir, report=None, **overrides) -> "Trainer":
+    def from_checkpoint(cls, run_dir, report=None, **overrides) -> Trainer:
         """A Trainer that continues the run in run_dir from its newest good checkpoint (a corrupt
         newest one is reported and the previous good one used). overrides may change RESUME_OVERRIDES."""
         from kiln.checkpoint import CheckpointError, CheckpointFolder

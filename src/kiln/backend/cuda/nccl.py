@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.backend.cuda import device as rt
+from kiln.backend.cuda.streams import event, new_stream
 from kiln.errors import DistributedError, DTypeError
 
 # ncclDataType_t and ncclRedOp_t values (nccl.h; stable across NCCL 2.x)
@@ -71,31 +72,25 @@ class Communicator:
 
     def __init__(self, uid: bytes, world_size: int, rank: int):
         nccl = _nccl()
-        cp = rt.cupy()
-        rt.stream()  # kiln's stream and allocator first
+        rt.compute_stream()  # kiln's stream and allocator first
         signed = tuple(b - 256 if b > 127 else b for b in uid)
         try:
             self._comm = nccl.NcclCommunicator(world_size, signed, rank)
         except Exception as e:  # NcclError
             raise DistributedError(f"NCCL communicator of {world_size} ranks (rank {rank}) failed: {e}") from e
-        try:
-            high = cp.cuda.runtime.deviceGetStreamPriorityRange()[1]  # numerically lowest = highest
-            self.stream = cp.cuda.Stream(non_blocking=True, priority=high)
-        except TypeError:  # a CuPy without stream priorities
-            self.stream = cp.cuda.Stream(non_blocking=True)
+        self.stream = new_stream(high_priority=True)  # collectives jump the compute stream's queue
         self.world_size, self.rank = world_size, rank
 
     def _run(self, call):
         """Order after kiln's stream, run call(stream_ptr) on the comm stream; the event after it."""
-        cp = rt.cupy()
-        ready = cp.cuda.Event(disable_timing=True)
+        ready = event()
         ready.record(rt.stream())
         self.stream.wait_event(ready)
         try:
             call(self.stream.ptr)
         except Exception as e:
             raise DistributedError(f"NCCL call failed on rank {self.rank}: {e}") from e
-        done = cp.cuda.Event(disable_timing=True)
+        done = event()
         done.record(self.stream)
         return done
 
