@@ -159,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model setting")
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     t.add_argument("--profile", action="store_true", default=None,
-                   help="profile steps 3-5: a Chrome trace (trace.json) and a table of kernels")
+                   help="steps 3-6 op by op, the last two under the profiler: run/profile/ gets the Chrome "
+                        "trace (trace.json, Perfetto), the kernel table with TFLOP/s, GB/s and fractions of the "
+                        "device's measured ceilings, the allocation timeline and memory plot, a one-page "
+                        "report.html/.png, and the profiler's overhead (overhead.json)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest good checkpoint")
     t.add_argument("--checkpoint-interval", type=int, help="checkpoint every N steps (default 0: at the end)")
     t.add_argument("--keep-checkpoints", type=int, help="keep the newest K checkpoints (default 3)")

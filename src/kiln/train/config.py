@@ -39,7 +39,7 @@ class TrainConfig:
     sample_tokens: int = 300
     sample_prompt: str = "The "
     progress: bool = True
-    profile: bool = False                    # profile steps 3-5: trace.json + profile.txt in the run
+    profile: bool = False                    # steps 3-6 op by op, 5-6 profiled: everything in run/profile/
     checkpoint_interval: int = 0             # checkpoint every N steps; 0: only at the end (and on SIGINT/SIGTERM)
     keep_checkpoints: int = 3                # the run folder keeps the newest K checkpoints
     async_checkpoint: bool = True            # write checkpoints on a background thread

@@ -87,6 +87,27 @@ def arch() -> str:
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
+def device_name() -> str:
+    """The current device's name, e.g. "NVIDIA H200" (the key of the profiler's cached ceilings)."""
+    name = cupy().cuda.runtime.getDeviceProperties(device_id())["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def range_push(name: str) -> None:
+    """Open an NVTX range (Nsight Systems shows it over the kernels it encloses); a no-op when CuPy
+    was built without NVTX."""
+    nvtx = cupy().cuda.nvtx
+    if nvtx.available:
+        nvtx.RangePush(name)
+
+
+def range_pop() -> None:
+    """Close the innermost NVTX range."""
+    nvtx = cupy().cuda.nvtx
+    if nvtx.available:
+        nvtx.RangePop()
+
+
 def synchronize() -> None:
     """Wait until everything queued on kiln's stream has run."""
     stream().synchronize()
