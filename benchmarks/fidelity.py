@@ -77,7 +77,7 @@ def model_config(args, data: Path):
 
 def loaders(args, data: Path):
     from kiln.data.loader import ShardLoader
-    common = dict(batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    common = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
     return ShardLoader(data, "train", **common), ShardLoader(data, "val", **common)
 
 
@@ -134,8 +134,9 @@ def run_kiln(args, data: Path) -> dict:
 
 
 def run_torch(args, data: Path, compiled: bool) -> dict:
-    import kiln
     import torch
+
+    import kiln
     from kiln.nn import GPT
     from tests.torch_gpt import torch_gpt_forward, torch_params
     cfg = model_config(args, data)
@@ -152,7 +153,7 @@ def run_torch(args, data: Path, compiled: bool) -> dict:
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev == "cuda")
     fwd = torch.compile(torch_gpt_forward) if compiled else torch_gpt_forward
     plist = list(params.values())
-    autocast = dict(device_type=dev, dtype=torch.bfloat16, enabled=args.mode == "bf16")
+    autocast = {"device_type": dev, "dtype": torch.bfloat16, "enabled": args.mode == "bf16"}
 
     def batch(loader):
         return (torch.from_numpy(np.asarray(a, dtype=np.int64)).to(dev) for a in loader.next_batch())
@@ -223,7 +224,7 @@ def _spawn(args, data: Path, framework: str, mode: str, extra=()) -> dict:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
     if not args.cuda_graph:
         cmd.append("--no-cuda-graph")
-    done = subprocess.run(cmd + list(extra), capture_output=True, text=True)
+    done = subprocess.run(cmd + list(extra), capture_output=True, text=True, check=False)
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode or not line:
         print(f"{framework} {mode}: FAILED\n{done.stderr[-3000:]}", flush=True)
@@ -345,11 +346,11 @@ def main() -> None:
     plot(rows, out / f"{stem}.png")
     import torch
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip() if args.device.startswith("cuda") else \
+                         capture_output=True, text=True, check=False).stdout.strip() if args.device.startswith("cuda") else \
         platform.processor() or platform.machine()
     record = {"benchmark": "fidelity", "date": date,
               "commit": os.environ.get("KILN_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip(),
               "command": " ".join(["python", *sys.argv]), "device": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "data": str(data),
               "data_meta": json.loads((data / "meta.json").read_text()), "batch": [args.batch_size, args.seq_len],

@@ -46,7 +46,7 @@ def test_a_short_cpu_run_has_kiln_and_pytorch_on_one_curve(tmp_path):
            "--model", "tiny", "--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--seq-len", "32",
            "--batch-size", "2", "--steps", "6", "--eval-interval", "3", "--eval-iters", "2", "--data", str(data),
            "--compare", "always", "--out", str(tmp_path), "--name", "f"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "f.json").read_text())
     rows = {r["framework"]: r for r in record["rows"]}
