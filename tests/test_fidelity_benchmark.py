@@ -40,7 +40,7 @@ def test_the_corpus_is_python_sources_already_on_the_machine():
 
 
 def test_a_short_cpu_run_has_kiln_and_pytorch_on_one_curve(tmp_path):
-    from kiln.train import bundled_dataset
+    from kiln.data.corpus import bundled_dataset
     data = bundled_dataset()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "fidelity.py"), "--device", "cpu", "--modes", "fp32",
            "--model", "tiny", "--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--seq-len", "32",

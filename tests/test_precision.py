@@ -121,6 +121,19 @@ def test_training_trajectory_and_reports(tmp_path):
     assert np.allclose(dump["fwd/loss/kiln"], dump["fwd/loss/ref"], rtol=1e-5)
 
 
+def test_a_wrong_learning_rate_shows_as_trajectory_divergence():
+    """Steps after the first are judged by their loss: kiln's AdamW at 1.5x the reference's lr parts
+    from the reference at step 2, the first loss computed with updated weights."""
+    model, idx, tgt = model_and_batch("fp64")
+    opt = AdamW(gpt_param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    cmp = Comparison(model, "fp64", optimizer=opt, names=["loss"])
+    for g in opt.param_groups:
+        g["lr"] *= 1.5
+    for _ in range(3):
+        cmp.step(idx, tgt, update=True)
+    assert cmp.summary()["first_divergence"] == {"step": 2, "pass": "loss", "name": "loss"}
+
+
 def test_nothing_stays_wrapped_after_a_comparison():
     """Off is the code that ran before: Function.apply and every module's forward are the originals."""
     model, idx, tgt = model_and_batch("fp32")
