@@ -162,3 +162,16 @@ def test_errors_name_the_problem(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(NotBuiltError, match="pip install torch"):
         Comparison(model, "fp32")
+
+
+def test_kiln_compare_writes_the_tables_and_exits_1_on_a_divergence(tmp_path, capsys):
+    from kiln.cli import main
+    args = ["compare", "--set", "n_layer=1", "--set", "n_embd=32", "--set", "n_head=2", "--batch-size", "1",
+            "--seq-len", "16", "--device", "cpu"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    assert "no op beyond the fp32 tolerance" in capsys.readouterr().out
+    data = json.loads((tmp_path / "a" / "compare.json").read_text())
+    assert data["steps"][0]["forward"][-1]["name"] == "loss" and (tmp_path / "a" / "compare.md").is_file()
+    assert main(args + ["--out", str(tmp_path / "b"), "--tolerance", "1e-12"]) == 1  # fp32 rounding is > 1e-12
+    assert "FIRST DIVERGENCE" in capsys.readouterr().out
+    assert main(args + ["--precision", "fp8"]) == 2

@@ -127,7 +127,7 @@ def _compare(args) -> int:
                    for _ in range(args.steps)]
     opt = AdamW(gpt_param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8) if args.steps > 1 else None
     cmp = Comparison(model, args.precision, names=args.ops, optimizer=opt, grad_clip=1.0 if opt else 0.0,
-                     dump_dir=f"{args.out}/dump" if args.dump else None)
+                     dump_dir=f"{args.out}/dump" if args.dump else None, tolerance=args.tolerance)
     for x, y in batches:
         cmp.step(x, y, update=opt is not None)
     js, md = cmp.write(args.out)
@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(run=_sample)
 
     c = sub.add_parser("compare", help="run a GPT step (or N training steps) in kiln and in PyTorch and report, "
-                                       "op by op, where they first part (the precision logger)")
+                                       "op by op, where they first part (the precision logger); exit status 1 "
+                                       "when they part beyond the tolerance")
     c.add_argument("--config", default="tiny", help="model preset: tiny (default), gpt2-124m, gpt2-2.4b")
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model setting")
     c.add_argument("--init-from", help="the weights of a kiln run or a Hugging Face GPT-2 folder")
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lr", type=float, default=6e-4)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--ops", nargs="+", metavar="PATTERN", help="record only these ops, e.g. 'h.3.*' ln_f loss")
+    c.add_argument("--tolerance", type=float, default=None,
+                   help="relative error that counts as a divergence (default per precision: fp64 1e-10, fp32 1e-4, "
+                        "tf32 2e-2, bf16 5e-2)")
     c.add_argument("--dump", action="store_true", help="also save every recorded tensor (dump/stepN.npz)")
     c.add_argument("--out", default="compare", help="where compare.json and compare.md go (default: compare)")
     c.set_defaults(run=_compare)

@@ -36,10 +36,11 @@ class Comparison:
     names: fnmatch patterns of the ops to record (all when None). reference_state: the weights the
     reference starts from (default: the model's own). optimizer: kiln's AdamW, for `step(update=True)`;
     the reference gets torch.optim.AdamW with the same groups and hyper-parameters. dump_dir: also
-    save the full tensors of each step there (.npz), which is off by default."""
+    save the full tensors of each step there (.npz), which is off by default. tolerance: the relative
+    error beyond which an op counts as diverged (default: stats.TOLERANCE of the precision)."""
 
     def __init__(self, model, precision: str, names=None, reference_state=None, optimizer=None,
-                 grad_clip: float = 0.0, dump_dir=None):
+                 grad_clip: float = 0.0, dump_dir=None, tolerance: float | None = None):
         if precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
         if model.config.dropout:
@@ -47,7 +48,7 @@ class Comparison:
                               f"got model.dropout={model.config.dropout}")
         torch = import_torch()
         self.model, self.precision, self.names = model, precision, names
-        self.tolerance = TOLERANCE[precision]
+        self.tolerance = TOLERANCE[precision] if tolerance is None else tolerance
         self.backend = next(model.parameters()).backend
         device = next(model.parameters()).device
         self.torch_device = "cuda" if device.type == "cuda" else "cpu"

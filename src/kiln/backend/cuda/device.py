@@ -93,18 +93,26 @@ def device_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def _nvtx():
+    """CuPy's NVTX module, or None when this CuPy build has no NVTX (then ranges are no-ops)."""
+    try:
+        from cupy.cuda import nvtx
+    except ImportError:
+        return None
+    return nvtx if getattr(nvtx, "available", True) else None
+
+
 def range_push(name: str) -> None:
-    """Open an NVTX range (Nsight Systems shows it over the kernels it encloses); a no-op when CuPy
-    was built without NVTX."""
-    nvtx = cupy().cuda.nvtx
-    if nvtx.available:
+    """Open an NVTX range (Nsight Systems shows it over the kernels it encloses)."""
+    nvtx = _nvtx()
+    if nvtx is not None:
         nvtx.RangePush(name)
 
 
 def range_pop() -> None:
     """Close the innermost NVTX range."""
-    nvtx = cupy().cuda.nvtx
-    if nvtx.available:
+    nvtx = _nvtx()
+    if nvtx is not None:
         nvtx.RangePop()
 
 
