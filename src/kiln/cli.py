@@ -1,5 +1,5 @@
 """`kiln`: the command line. `kiln train` trains (`--resume RUN` continues one), `kiln sample`
-generates, `kiln prepare` makes shards, `kiln export` / `kiln import` convert to / from Hugging Face.
+generates, `kiln prepare` makes shards, `kiln compare` finds where kiln and PyTorch part, `kiln export` / `kiln import` convert to / from Hugging Face.
 
 Bad input ends with the KilnError's message on stderr and exit status 2, with no traceback.
 """
@@ -132,6 +132,48 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    import numpy as np
+
+    import kiln
+    from kiln.nn import GPT, preset
+    from kiln.optim import AdamW, gpt_param_groups
+    from kiln.precision import Comparison, headline
+    from kiln.train import apply_precision, load_pretrained, resolve_device
+    if args.steps < 1 or args.batch_size < 1:
+        raise ConfigError(f"--steps and --batch-size must be positive, got {args.steps} and {args.batch_size}")
+    device = resolve_device(args.device)
+    pretrained = load_pretrained(args.init_from) if args.init_from else None
+    overrides = _parse_overrides(args.set)
+    if pretrained is not None:
+        overrides = {**dataclasses.asdict(pretrained.config), **overrides}
+    cfg = preset(args.config, **overrides)
+    seq_len = args.seq_len or cfg.block_size
+    kiln.manual_seed(args.seed)
+    model = GPT(cfg, generator=kiln.Generator(args.seed))
+    model.to(device, dtype="float64" if args.precision == "fp64" else "float32")
+    if pretrained is not None:
+        model.load_state_dict(pretrained.state_dict())
+    apply_precision(model, args.precision, device)
+    if args.data:
+        from kiln.data.loader import ShardLoader
+        loader = ShardLoader(args.data, "train", batch_size=args.batch_size, seq_len=seq_len, seed=args.seed)
+        batches = [tuple(np.asarray(a) for a in loader.next_batch()) for _ in range(args.steps)]
+    else:  # random tokens: the comparison is about arithmetic, not about what the text says
+        rng = np.random.default_rng(args.seed)
+        batches = [tuple(rng.integers(0, cfg.vocab_size, (args.batch_size, seq_len)) for _ in range(2))
+                   for _ in range(args.steps)]
+    opt = AdamW(gpt_param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8) if args.steps > 1 else None
+    cmp = Comparison(model, args.precision, names=args.ops, optimizer=opt, grad_clip=1.0 if opt else 0.0,
+                     dump_dir=f"{args.out}/dump" if args.dump else None, tolerance=args.tolerance)
+    for x, y in batches:
+        cmp.step(x, y, update=opt is not None)
+    js, md = cmp.write(args.out)
+    print(headline(cmp.summary()))
+    print(f"kiln: wrote {js} and {md}")
+    return 1 if cmp.summary()["first_divergence"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiln", description="Train GPT models with kiln.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -155,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model setting")
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     t.add_argument("--profile", action="store_true", default=None,
-                   help="profile steps 3-5: a Chrome trace (trace.json) and a table of kernels")
+                   help="steps 3-6 op by op, the last two under the profiler: run/profile/ gets the Chrome "
+                        "trace (trace.json, Perfetto), the kernel table with TFLOP/s, GB/s and fractions of the "
+                        "device's measured ceilings, the allocation timeline and memory plot, a one-page "
+                        "report.html/.png, and the profiler's overhead (overhead.json)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest good checkpoint")
     t.add_argument("--checkpoint-interval", type=int, help="checkpoint every N steps (default 0: at the end)")
     t.add_argument("--keep-checkpoints", type=int, help="keep the newest K checkpoints (default 3)")
@@ -180,6 +225,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=None)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(run=_sample)
+
+    c = sub.add_parser("compare", help="run a GPT step (or N training steps) in kiln and in PyTorch and report, "
+                                       "op by op, where they first part (the precision logger); exit status 1 "
+                                       "when they part beyond the tolerance")
+    c.add_argument("--config", default="tiny", help="model preset: tiny (default), gpt2-124m, gpt2-2.4b")
+    c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a model setting")
+    c.add_argument("--init-from", help="the weights of a kiln run or a Hugging Face GPT-2 folder")
+    c.add_argument("--precision", default="fp32", help="fp64, fp32 (default), tf32 (GPU) or bf16")
+    c.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    c.add_argument("--data", help="batches from this `kiln prepare` folder (default: random tokens)")
+    c.add_argument("--batch-size", type=int, default=4)
+    c.add_argument("--seq-len", type=int, default=None, help="default: the model's context")
+    c.add_argument("--steps", type=int, default=1, help="N > 1: N AdamW steps on both sides, a trajectory")
+    c.add_argument("--lr", type=float, default=6e-4)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--ops", nargs="+", metavar="PATTERN", help="record only these ops, e.g. 'h.3.*' ln_f loss")
+    c.add_argument("--tolerance", type=float, default=None,
+                   help="relative error that counts as a divergence (default per precision: fp64 1e-10, fp32 1e-4, "
+                        "tf32 2e-2, bf16 5e-2)")
+    c.add_argument("--dump", action="store_true", help="also save every recorded tensor (dump/stepN.npz)")
+    c.add_argument("--out", default="compare", help="where compare.json and compare.md go (default: compare)")
+    c.set_defaults(run=_compare)
+
 
     pr = sub.add_parser("prepare", help="turn text into token shards")
     _prepare_arguments(pr)

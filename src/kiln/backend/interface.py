@@ -37,13 +37,17 @@ STREAMS = ("stream", "new_stream", "use_stream", "event", "elapsed_ms", "pinned_
 DEVICE = ("ensure_available", "set_matmul_precision", "get_matmul_precision", "memory_stats", "end_warmup",
           "release_unused")
 
+# Profiling: the device's name (the key of its cached ceilings), NVTX ranges (Nsight Systems shows
+# kiln's ops; no-ops on the CPU), and every allocation and free of kiln's allocator (kiln.profiler).
+PROFILING = ("device_name", "range_push", "range_pop", "observe_allocations")
+
 # Only for backends with captures_graphs: record a step once, replay it (kiln.graph).
 GRAPH_CAPTURE = ("capture", "adamw_hyper_buffer", "adamw_set_hyper")
 
 # Plain attributes every backend has: its name, its array module and what its memory can do.
 FACTS = ("name", "xp", "host_memory", "captures_graphs", "MATMUL_PRECISIONS")
 
-FUNCTIONS = KERNELS + ARRAYS + RANDOM + STREAMS + DEVICE
+FUNCTIONS = KERNELS + ARRAYS + RANDOM + STREAMS + DEVICE + PROFILING
 
 
 def exports(captures_graphs: bool) -> tuple:

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import kiln
-from kiln.backend import cuda_is_available
-from kiln.backend import device as parse_device
+from kiln.backend import cuda_is_available, device as parse_device
 from kiln.errors import ConfigError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
@@ -41,7 +40,7 @@ class TrainConfig:
     sample_tokens: int = 300
     sample_prompt: str = "The "
     progress: bool = True
-    profile: bool = False                    # profile steps 3-5: trace.json + profile.txt in the run
+    profile: bool = False                    # steps 3-6 op by op, 5-6 profiled: everything in run/profile/
     checkpoint_interval: int = 0             # checkpoint every N steps; 0: only at the end (and on SIGINT/SIGTERM)
     keep_checkpoints: int = 3                # the run folder keeps the newest K checkpoints
     async_checkpoint: bool = True            # write checkpoints on a background thread

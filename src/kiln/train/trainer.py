@@ -41,6 +41,7 @@ from kiln.errors import ConfigError, DataError, NotBuiltError
 from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
+from kiln.profiler.cost import gpt_flops_per_token, mfu
 from kiln.train.config import (
     RESUME_OVERRIDES,
     TrainConfig,
@@ -224,6 +225,8 @@ class Trainer:
         history = logged_rows(run / METRICS, self.step) if resumed else []
         evals = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
         checkpoints, saver, saved = self._checkpointing(run)
+        flops_per_token = gpt_flops_per_token(self.model_config, self.seq_len)
+        peak_flops = self.peak_flops()
         start = time.perf_counter()
         with open(run / METRICS, "a" if resumed else "w") as log, self._stop_on_signals(), \
                 tqdm(total=c.max_steps, initial=self.step, disable=not c.progress, unit="step",
@@ -231,15 +234,16 @@ class Trainer:
             while self.step < c.max_steps and self._keep_going():
                 if saver is not None:
                     saver.check()  # a failed background save is reported here, at the next step
-                t0 = time.perf_counter()
+                t0, before = time.perf_counter(), self.step
                 if c.profile and self.step == min(2, c.max_steps - 1):
-                    row = self._profiled_steps(min(3, c.max_steps - self.step), run)
+                    row = self._profiled_steps(min(4, c.max_steps - self.step), run)
                 else:
                     row = self.train_step()
-                dt = time.perf_counter() - t0
+                dt = (time.perf_counter() - t0) / (self.step - before)
                 if self.step == 1:
                     self.device.backend.end_warmup()  # the paper's §5 allocator: learn, then flush step 0
                 row["tokens_per_s"] = tokens_per_step / dt
+                row["mfu"] = mfu(row["tokens_per_s"], flops_per_token, peak_flops)
                 row["elapsed_s"] = time.perf_counter() - start
                 if self.step % c.eval_interval == 0 or self.step == c.max_steps:
                     row["val_loss"] = self.evaluate()
@@ -250,7 +254,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}",
                                 val=f"{evals[-1][1]:.3f}" if evals else "-",
-                                tok_s=f"{row['tokens_per_s']:.0f}")
+                                tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{100 * row['mfu']:.1f}%")
                 if c.checkpoint_interval and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
                         and self.step < c.max_steps and self.stop_signal is None:
                     saved = self.save_checkpoint(checkpoints, saver)
@@ -272,6 +276,8 @@ class Trainer:
         summary = {"run_dir": str(run), "steps": self.step, "final_train_loss": history[-1]["loss"],
                    "final_val_loss": evals[-1][1], "unigram_entropy": entropy,
                    "tokens_per_s": float(np.median(steady)), "elapsed_s": elapsed, "sample": text,
+                   "mfu": mfu(float(np.median(steady)), flops_per_token, peak_flops),
+                   "flops_per_token": flops_per_token, "peak_tflops": peak_flops / 1e12,
                    "checkpoint_stall_s": float(np.median(self.checkpoint_stalls)) if self.checkpoint_stalls else None}
         (run / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -297,15 +303,44 @@ class Trainer:
                 "final_val_loss": val,
                 **({"interrupted": signal.Signals(self.stop_signal).name} if self.stop_signal else {})}
 
+    def peak_flops(self) -> float:
+        """The device's measured GEMM ceiling (FLOP/s) in this run's precision (measured once per device
+        and cached: kiln.profiler.ceilings); the denominator of the logged MFU."""
+        from kiln.profiler.ceilings import ceilings
+        gemm = ceilings(self.device)["gemm_tflops"]
+        return 1e12 * (gemm.get(self.config.precision) or gemm["fp32"])  # CPU bf16 GEMMs run in fp32
+
     def _profiled_steps(self, n: int, run: Path) -> dict:
-        """n steps under the profiler; writes trace.json (Perfetto) and profile.txt; the last row."""
+        """n steps op by op, the first n // 2 plain and the rest under the profiler (the profiler's own
+        overhead is the difference of their median times); everything into run/profile/. The last row."""
         from kiln.profiler import Profiler
-        with Profiler(self.device) as prof:
-            for _ in range(n):
+        from kiln.profiler.ceilings import ceilings
+        plain, profiled = [], []
+        for _ in range(n // 2):
+            t0 = time.perf_counter()
+            row = self.train_step(eager=True)
+            plain.append(time.perf_counter() - t0)
+        first = self.step + 1
+        with Profiler(self.device, ceilings=ceilings(self.device)) as prof:
+            for _ in range(n - n // 2):
+                t0 = time.perf_counter()
                 row = self.train_step(eager=True)  # op by op: the profiler times each kernel
-        prof.export_chrome_trace(run / "trace.json")
-        table = f"{n} steps from step {self.step - n + 1}\n" + prof.table()
-        (run / "profile.txt").write_text(table + "\n")
+                profiled.append(time.perf_counter() - t0)
+        folder = run / "profile"
+        s = prof.write(folder, title=f"kiln {self.config.model} {self.config.precision} on {self.device}, "
+                                     f"steps {first}-{self.step}")
+        tokens = self.config.batch_size * self.seq_len * self.config.grad_accum
+        overhead = {"plain_step_ms": 1e3 * float(np.median(plain)) if plain else None,
+                    "profiled_step_ms": 1e3 * float(np.median(profiled)), "plain_steps": len(plain),
+                    "profiled_steps": len(profiled), "model_flops_per_step": gpt_flops_per_token(
+                        self.model_config, self.seq_len) * tokens, "kernel_flops_per_step": s["flops"] / len(profiled)}
+        if plain:
+            overhead["overhead"] = overhead["profiled_step_ms"] / overhead["plain_step_ms"] - 1
+        (folder / "overhead.json").write_text(json.dumps(overhead, indent=1))
+        table = f"{len(profiled)} steps from step {first}\n" + prof.table()
+        if plain:
+            table += (f"\nprofiler overhead: {overhead['profiled_step_ms']:.1f} ms per profiled step vs "
+                      f"{overhead['plain_step_ms']:.1f} plain ({100 * overhead['overhead']:+.1f}%)")
         print(table, flush=True)
         return row
 

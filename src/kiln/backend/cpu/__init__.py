@@ -6,6 +6,8 @@ inputs are upcast, as a GPU kernel with fp32 accumulation does), and return the 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from kiln.backend.cpu.adamw import adamw_step, grad_norm, scale_
@@ -126,6 +128,27 @@ def rng_uniform(gen, shape, dtype):
 def scatter_add(dst, index, src) -> None:
     """dst[index] += src with repeated indices adding up (the backward of integer indexing)."""
     np.add.at(dst, index, src)
+
+
+def device_name() -> str:
+    """This machine's processor and core count (the key of the profiler's cached ceilings)."""
+    import os
+    import platform
+    return f"cpu {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def range_push(name: str) -> None:
+    """NVTX ranges are a CUDA tool: nothing to mark on the CPU."""
+
+
+def range_pop() -> None:
+    """See range_push."""
+
+
+@contextlib.contextmanager
+def observe_allocations(callback):
+    """NumPy allocates for the CPU backend, outside kiln: there is no allocator to observe (yields None)."""
+    yield None
 
 
 def synchronize() -> None:

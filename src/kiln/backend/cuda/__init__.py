@@ -18,7 +18,7 @@ from kiln.backend.cuda.adamw import (
     grad_norm,
     scale_,
 )
-from kiln.backend.cuda.allocator import end_warmup, memory_stats, release_unused
+from kiln.backend.cuda.allocator import end_warmup, memory_stats, observe_allocations, release_unused
 from kiln.backend.cuda.attention import attention_bwd, attention_fwd
 from kiln.backend.cuda.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from kiln.backend.cuda.cublaslt import (
@@ -26,7 +26,7 @@ from kiln.backend.cuda.cublaslt import (
     get_matmul_precision,
     set_matmul_precision,
 )
-from kiln.backend.cuda.device import ensure_available, stream, synchronize
+from kiln.backend.cuda.device import device_name, ensure_available, range_pop, range_push, stream, synchronize
 from kiln.backend.cuda.dropout import dropout_fwd
 from kiln.backend.cuda.elementwise import add, cast
 from kiln.backend.cuda.embedding import embedding_bwd, embedding_fwd

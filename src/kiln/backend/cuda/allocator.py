@@ -144,6 +144,7 @@ class CachingAllocator:
         self._pools: list = []  # pools of graphs that can still be replayed
         self._next_id = 0
         self.learned: dict | None = None
+        self.observers: list = []  # callables (event, ptr, requested size, rounded size): the profiler's timeline
         self._stats = dict.fromkeys(("allocated_bytes", "requested_bytes", "reserved_bytes",
                                      "peak_allocated_bytes", "peak_requested_bytes", "peak_reserved_bytes",
                                      "num_allocs", "num_frees", "num_driver_mallocs", "num_driver_frees",
@@ -172,6 +173,8 @@ class CachingAllocator:
                 if len(self._trace) >= MAX_TRACE_EVENTS:
                     self._trace = None  # end_warmup never came: keep the sizes bounded
             self._live[ptr] = (device_id, r, size, ident)
+            for observer in self.observers:
+                observer("alloc", ptr, size, r)
             st = self._stats
             st["num_allocs"] += 1
             st["allocated_bytes"] += r
@@ -190,6 +193,8 @@ class CachingAllocator:
             (graph.free if graph is not None else self._free).setdefault((dev, r), []).append(ptr)
             if self._trace is not None and ident is not None:
                 self._trace.append(("free", ident, 0))
+            for observer in self.observers:
+                observer("free", ptr, size, r)
             st = self._stats
             st["num_frees"] += 1
             st["allocated_bytes"] -= r
@@ -369,6 +374,21 @@ def end_warmup(release: bool = True) -> dict:
 def host_written():
     """The installed allocator's `host_written()` context (a no-op without kiln's allocator)."""
     return _installed.host_written() if _installed is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def observe_allocations(callback):
+    """Call callback(event, ptr, requested, rounded) for every alloc and free inside the block; yields
+    the installed allocator (None when kiln's allocator is not installed: then nothing is observed)."""
+    alloc = _installed
+    if alloc is None:
+        yield None
+        return
+    alloc.observers.append(callback)
+    try:
+        yield alloc
+    finally:
+        alloc.observers.remove(callback)
 
 
 def release_unused() -> int:

@@ -87,6 +87,35 @@ def arch() -> str:
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
+def device_name() -> str:
+    """The current device's name, e.g. "NVIDIA H200" (the key of the profiler's cached ceilings)."""
+    name = cupy().cuda.runtime.getDeviceProperties(device_id())["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _nvtx():
+    """CuPy's NVTX module, or None when this CuPy build has no NVTX (then ranges are no-ops)."""
+    try:
+        from cupy.cuda import nvtx
+    except ImportError:
+        return None
+    return nvtx if getattr(nvtx, "available", True) else None
+
+
+def range_push(name: str) -> None:
+    """Open an NVTX range (Nsight Systems shows it over the kernels it encloses)."""
+    nvtx = _nvtx()
+    if nvtx is not None:
+        nvtx.RangePush(name)
+
+
+def range_pop() -> None:
+    """Close the innermost NVTX range."""
+    nvtx = _nvtx()
+    if nvtx is not None:
+        nvtx.RangePop()
+
+
 def synchronize() -> None:
     """Wait until everything queued on kiln's stream has run."""
     stream().synchronize()
