@@ -15,6 +15,10 @@ ordered by events only; after the last gradient the compute stream waits on the 
 (FINALIZE), so the optimizer reads averaged gradients with no host barrier and the whole step
 can be captured as one CUDA graph. On the CPU the MPI all-reduces overlap backward the same way
 and FINALIZE waits on the host. Accumulation micro-steps (`no_sync`) communicate nothing.
+
+ZeRO-1/2 reuse this machinery: the buckets are padded to a multiple of the world size
+(`Bucket.shard(rank, W)` is a rank's equal share), so a subclass's `_launch` reduce-scatters a
+bucket into its shard instead of all-reducing it, and its `_scatter` keeps the shard.
 """
 
 from __future__ import annotations
@@ -88,20 +92,28 @@ class DistributedDataParallel:
         bucket.pending -= 1                # line 16
         buckets = self.buckets.buckets
         while self._next < len(buckets) and buckets[self._next].pending == 0:  # line 17: in-order gate
-            b = buckets[self._next]
-            b.work = self.group.all_reduce(b.buffer, "avg", async_op=True)     # line 18
+            self._launch(buckets[self._next])                                  # line 18
             self._next += 1
         if self._next == len(buckets):
             self._finalize()
 
+    def _launch(self, bucket) -> None:
+        """The bucket's collective, asynchronous (ZeRO-2 reduce-scatters into the rank's shard here)."""
+        bucket.work = self.group.all_reduce(bucket.buffer, "avg", async_op=True)
+
+    def _scatter(self, bucket) -> None:
+        """Line 22 for one bucket whose collective is done: each parameter's gradient becomes its
+        averaged slot in the bucket (a view: no copy)."""
+        for i, p in enumerate(bucket.params):
+            p.grad = Tensor._wrap(bucket.view(i), p.device)
+
     def _finalize(self) -> None:
-        """Lines 20-22: wait on every bucket's all-reduce (CUDA: the compute stream waits on the comm
-        stream's events), then each parameter's gradient becomes its averaged slot in the bucket."""
+        """Lines 20-22: wait on every bucket's collective (CUDA: the compute stream waits on the comm
+        stream's events, the host does not), then scatter the averaged gradients back."""
         for b in self.buckets.buckets:
             b.work.wait()
             b.work = None
-            for i, p in enumerate(b.params):
-                p.grad = Tensor._wrap(b.view(i), p.device)
+            self._scatter(b)
         self._finished = True
         observed, self._observed = self._observed, None
         if observed is not None and not capturing() and \
