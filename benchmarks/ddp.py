@@ -15,7 +15,7 @@ Three parts, every rank running this file:
    same initial weights, AdamW (fused in torch), clip 1.0; kiln replays its step as a CUDA graph
    from the third step (--no-cuda-graph: op by op); torch runs eager with --mode's autocast.
 3. peak memory per rank (each framework's allocator).
-Rank 0 prints a table and writes benchmarks/results/ddp-<date>-w<W>.json and .md.
+Rank 0 prints a table and writes benchmarks/results/ddp/ddp-<date>-w<W>-<device>.json and .md.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def parse_args():
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--frameworks", default="kiln,torch")
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ddp"))
     return ap.parse_args()
 
 
