@@ -89,10 +89,14 @@ class DistributedDataParallel:
         buckets = self.buckets.buckets
         while self._next < len(buckets) and buckets[self._next].pending == 0:  # line 17: in-order gate
             b = buckets[self._next]
-            b.work = self.group.all_reduce(b.buffer, "avg", async_op=True)     # line 18
+            b.work = self._launch(b)                                           # line 18
             self._next += 1
         if self._next == len(buckets):
             self._finalize()
+
+    def _launch(self, bucket):
+        """The bucket's collective (ZeRO reduce-scatters instead): the average over the ranks, async."""
+        return self.group.all_reduce(bucket.buffer, "avg", async_op=True)
 
     def _finalize(self) -> None:
         """Lines 20-22: wait on every bucket's all-reduce (CUDA: the compute stream waits on the comm
