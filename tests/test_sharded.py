@@ -148,3 +148,73 @@ def test_model_state_per_rank_falls_as_zero_predicts(n, tmp_path):
             if m["counted"] is not None:
                 assert abs(m["counted"] / (8 * m["numel"]) - want) < 0.01, (strategy, m)
         assert res["fsdp"]["peak"] < res["zero2"]["peak"] <= res["zero1"]["peak"] < res["ddp"]["peak"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("legs", [[(4, "fsdp"), (2, "zero2"), (1, "zero1")], [(2, "ddp"), (4, "zero1"), (1, "fsdp")]])
+def test_sharded_checkpoints_resharded_across_world_sizes_and_strategies_continue_the_trajectory(legs, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for leg, (n, strategy) in enumerate(legs):
+        results, _, _ = run_ranks("sharded_resume.py", n, tmp_path / str(leg), folder, leg, strategy, len(legs),
+                                  timeout=90)
+        assert [res["world"] for res in results] == [n] * n
+        assert len(list(folder.glob(f"ckpt-{leg + 1:08d}.shard-*-of-{n:05d}.kiln"))) == n  # one file per rank
+    last = results[0]
+    assert last["step"] == 2 * len(legs)
+    assert last["max_param_diff"] < 1e-12 and last["max_moment_diff"] < 1e-12, last  # vs one process
+    assert last["reloaded_param_diff"] == 0.0
+
+
+def test_a_missing_or_corrupt_shard_is_detected(world, tmp_path):
+    from kiln.checkpoint import CheckpointError
+    from kiln.checkpoint.sharded import shard_path
+    from kiln.distributed.checkpoint import load_sharded, save_sharded
+    model = _tiny(5)
+    fsdp = dist.FullyShardedDataParallel(model, AdamW(model.parameters()))
+    model(kiln.tensor(np.ones((1, 8), dtype=np.int64)), kiln.tensor(np.ones((1, 8), dtype=np.int64)))[1].backward()
+    fsdp.wait_gradients()
+    fsdp.optimizer.step()
+    path = tmp_path / "ckpt-00000001.kiln"
+    save_sharded(path, model, None, fsdp, state={"note": "x"})
+    other = _tiny(6)
+    other_opt = AdamW(other.parameters())
+    assert load_sharded(path, other, other_opt) == {"note": "x"}
+    full = fsdp.full_parameters()
+    for n, p in other.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), full[n], err_msg=n)
+    shard = shard_path(path, 0, 1)
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0x20
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum|CRC|corrupt"):
+        load_sharded(path, other, other_opt)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_sharded(path, other, other_opt)
+
+
+def test_export_reads_a_sharded_run_and_pruning_removes_its_shards(world, tmp_path):
+    import json
+
+    from kiln.checkpoint import CheckpointFolder
+    from kiln.data.tokenizer import ByteTokenizer
+    from kiln.distributed.checkpoint import save_sharded
+    from kiln.train import load_run
+    model = _tiny(7)
+    zero = dist.ZeroDataParallel(model, AdamW(model.parameters()), stage=2)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": vars(model.config), "tokenizer": "bytes"}))
+    folder = CheckpointFolder(run / "checkpoints", keep=1)
+    for step in (1, 2):
+        model(kiln.tensor(np.full((1, 8), step)), kiln.tensor(np.ones((1, 8), dtype=np.int64)))[1].backward()
+        zero.wait_gradients()
+        zero.optimizer.step()
+        folder.commit(save_sharded(folder.path_for(step), model, None, zero))
+    assert sorted(p.name for p in folder.folder.iterdir()) == [
+        "ckpt-00000002.kiln", "ckpt-00000002.shard-00000-of-00001.kiln", "latest.json"]
+    ByteTokenizer().save(run)
+    loaded = dict(load_run(run)[0].named_parameters())  # what `kiln export` reads
+    for n, p in model.named_parameters():
+        np.testing.assert_array_equal(loaded[n].numpy(), p.numpy(), err_msg=n)
