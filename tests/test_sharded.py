@@ -147,7 +147,10 @@ def test_model_state_per_rank_falls_as_zero_predicts(n, tmp_path):
             assert want <= got <= want + 0.1, (strategy, got, want)
             if m["counted"] is not None:
                 assert abs(m["counted"] / (8 * m["numel"]) - want) < 0.01, (strategy, m)
-        assert res["fsdp"]["peak"] < res["zero2"]["peak"] <= res["zero1"]["peak"] < res["ddp"]["peak"]
+        # the peak inside a step: with one bucket (25 MB) ZeRO-2 holds the whole gradient layout for a
+        # moment as ZeRO-1 does, so the two peaks are alike; FSDP's is below both, DDP's above
+        zero_peaks = (res["zero1"]["peak"], res["zero2"]["peak"])
+        assert res["fsdp"]["peak"] < min(zero_peaks) and max(zero_peaks) < res["ddp"]["peak"], res
 
 
 @pytest.mark.dist
