@@ -221,3 +221,30 @@ def test_export_reads_a_sharded_run_and_pruning_removes_its_shards(world, tmp_pa
     loaded = dict(load_run(run)[0].named_parameters())  # what `kiln export` reads
     for n, p in model.named_parameters():
         np.testing.assert_array_equal(loaded[n].numpy(), p.numpy(), err_msg=n)
+
+
+@pytest.mark.dist
+def test_trainer_fsdp_on_2_ranks_resumed_as_zero1_on_4_equals_one_process(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from kiln.train import TrainConfig, Trainer
+    out = tmp_path / "sharded"
+    run_ranks("train_sharded.py", 2, tmp_path / "a", out, "fsdp", 2, 2, 0, timeout=120)
+    results, _, _ = run_ranks("train_sharded.py", 4, tmp_path / "b", out, "zero1", 4, 1, 1, timeout=120)
+    assert [r["step"] for r in results] == [4] * 4
+    shards = sorted(p.name for p in (out / "run" / "checkpoints").glob("*.shard-*"))
+    assert len(shards) == 6 and shards[0].startswith("ckpt-00000002.shard-00000-of-00002")
+    single = Trainer(TrainConfig(model_overrides={"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32},
+                                 precision="fp64", batch_size=4, seq_len=32, grad_accum=2, max_steps=4,
+                                 eval_interval=2, eval_iters=3, sample_tokens=10, device="cpu", progress=False,
+                                 out_dir=str(tmp_path / "single"), run_name="one", warmup_steps=1)).fit()
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (tmp_path / "single" / "one" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows, ref, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-12 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-12, (a, b)
+        assert abs(a.get("val_loss", 0) - b.get("val_loss", 0)) < 1e-12, (a, b)
+    assert abs(results[0]["summary"]["final_val_loss"] - single["final_val_loss"]) < 1e-12
+    w, w_one = load_file(str(out / "run" / "model.safetensors")), load_file(str(tmp_path / "single" / "one" / "model.safetensors"))
+    assert max(float(np.max(np.abs(w[k] - w_one[k]))) for k in w_one) < 1e-12

@@ -106,7 +106,7 @@ def load_sharded(path, model, optimizer, wrapper=None, group=None) -> dict:
     """Collective over group: put the checkpoint at path (a manifest) into model, optimizer and
     wrapper, whatever world size and strategy saved it; returns the `state` saved with it."""
     from kiln.distributed.process_group import get_world
-    group = group or get_world()
+    group = group or (get_world() if wrapper is not None else None)  # one process needs no group
     path = Path(path)
     manifest = load(path)
     if "sharded" not in manifest:

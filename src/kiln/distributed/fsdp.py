@@ -112,6 +112,7 @@ class FullyShardedDataParallel:
         for m, ps in groups:
             self.units.append(_Unit(len(self.units), module_names.get(id(m), "?"), ps, world, rank))
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._summoned = False
         self._names = names
         with no_grad():
             for u in self.units:
@@ -152,6 +153,8 @@ class FullyShardedDataParallel:
 
     def _free(self, u: _Unit) -> None:
         """Drop u's gathered parameters: each becomes a zero-byte broadcast view of its shape."""
+        if self._summoned:
+            return
         for p in u.params:
             xp = p.backend.xp
             p.data = xp.broadcast_to(xp.zeros((), p.dtype.np), p.shape)
@@ -264,6 +267,15 @@ class FullyShardedDataParallel:
                 if not was:
                     self._free(u)
         return out
+
+    def summon_full_parameters(self) -> None:
+        """Collective: gather every unit and keep it gathered, so that the model's forward (sampling,
+        saving its weights) runs on one rank alone with no collective. For the end of a run: training
+        on from here holds the full parameters, as DDP does, and updates only the shards."""
+        with no_grad():
+            for u in self.units:
+                self._wait(u)
+        self._summoned = True
 
     def memory(self) -> dict:
         """Bytes of model state this rank holds now: parameters (shards and gathered units),
