@@ -197,7 +197,7 @@ def test_a_missing_or_corrupt_shard_is_detected(world, tmp_path):
         load_sharded(path, other, other_opt)
 
 
-def test_export_reads_a_sharded_run_and_pruning_removes_its_shards(world, tmp_path):
+def test_export_reads_a_sharded_run_pruning_removes_its_shards_and_a_corrupt_shard_falls_back(world, tmp_path):
     import json
 
     from kiln.checkpoint import CheckpointFolder
@@ -221,6 +221,23 @@ def test_export_reads_a_sharded_run_and_pruning_removes_its_shards(world, tmp_pa
     loaded = dict(load_run(run)[0].named_parameters())  # what `kiln export` reads
     for n, p in model.named_parameters():
         np.testing.assert_array_equal(loaded[n].numpy(), p.numpy(), err_msg=n)
+    # a corrupt shard of the newest checkpoint: resume falls back to the previous good one
+    before = {n: p.numpy().copy() for n, p in model.named_parameters()}
+    model(kiln.tensor(np.full((1, 8), 3)), kiln.tensor(np.ones((1, 8), dtype=np.int64)))[1].backward()
+    zero.wait_gradients()
+    zero.optimizer.step()
+    folder.keep = 2
+    folder.commit(save_sharded(folder.path_for(3), model, None, zero))
+    shard = folder.folder / "ckpt-00000003.shard-00000-of-00001.kiln"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    warnings = []
+    state, path = folder.load_latest(report=warnings.append)
+    assert path.name == "ckpt-00000002.kiln" and "ckpt-00000003.shard-00000-of-00001.kiln" in warnings[0]
+    loaded = dict(load_run(run)[0].named_parameters())
+    for n, a in before.items():
+        np.testing.assert_array_equal(loaded[n].numpy(), a, err_msg=n)
 
 
 @pytest.mark.dist

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.checkpoint.format import SUFFIX, CheckpointError, atomic_file, load
-from kiln.checkpoint.sharded import read_full
+from kiln.checkpoint.sharded import read_full, verify_shards
 from kiln.errors import ConfigError, DataError
 from kiln.nn import GPT, GPTConfig
 
@@ -112,6 +112,8 @@ class CheckpointFolder:
         for path in self.candidates():
             try:
                 state = load(path)
+                if "sharded" in state:  # a manifest: good only with every shard it names
+                    verify_shards(path, state)
             except CheckpointError as e:
                 failures.append(f"{path.name}: {e}")
                 report(f"{e}; trying the previous checkpoint")

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.autograd import no_grad
-from kiln.checkpoint.format import CheckpointError, load, read_header, save
-from kiln.checkpoint.sharded import shard_path
+from kiln.checkpoint.format import CheckpointError, load, save
+from kiln.checkpoint.sharded import load_shard, shard_path
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -121,13 +121,7 @@ def load_sharded(path, model, optimizer, wrapper=None, group=None) -> dict:
 
     def shard(entry):
         if entry["file"] not in cache:
-            f = path.with_name(entry["file"])
-            if not f.is_file():
-                raise CheckpointError(f"shard {f} named by {path.name} is missing")
-            data = load(f)
-            if read_header(f)[1].get("kiln.checksum") != entry["checksum"]:
-                raise CheckpointError(f"shard {f} is not the one {path.name} names (checksum differs)")
-            cache[entry["file"]] = data["tensors"]
+            cache[entry["file"]] = load_shard(path, entry)
         return cache[entry["file"]]
 
     adamw = layout.adamw
