@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 
 from kiln.backend import array_backend
@@ -55,11 +56,14 @@ def enable_grad() -> _GradMode:
 class AccumulateGrad:
     """The sink of a leaf tensor's gradient: adds into `leaf.grad`, then fires its hooks."""
 
-    __slots__ = ("leaf", "seq", "__weakref__")
+    __slots__ = ("__weakref__", "leaf", "seq")
 
     def __init__(self, leaf):
         self.leaf = leaf
-        self.seq = -1  # leaves run last among equals
+        # A leaf's gradient is accumulated (and its hooks fire) as soon as it is complete, before
+        # any other ready node: DDP/ZeRO launch a bucket's collective and FSDP frees a unit's
+        # gathered parameters while backward goes on, not after it.
+        self.seq = math.inf
 
     def accumulate(self, grad, owned: bool = False) -> None:
         """owned: grad is a new array nothing else holds (a sum, a cast, the output of a Function with
@@ -93,7 +97,7 @@ class Fresh:
 class Function:
     """Base of every differentiable op; a subclass instance is one node of the graph."""
 
-    __slots__ = ("next_edges", "needs_input_grad", "_saved", "seq", "num_outputs", "freed", "__dict__")
+    __slots__ = ("__dict__", "_saved", "freed", "needs_input_grad", "next_edges", "num_outputs", "seq")
     is_view = False  # True for ops whose outputs alias their first input (they share its version)
     fresh_grads = False  # True when backward returns new arrays only, none aliasing another or g
     # False: an output of a multi-output op that no gradient reached comes to backward as None
@@ -141,8 +145,14 @@ class Function:
         return wrapped if multi else wrapped[0]
 
     def save_for_backward(self, *tensors) -> None:
-        """Keep these Tensors' arrays (None allowed) with their versions, checked in backward."""
-        self._saved = tuple(None if t is None else (t.data, t._version, t._version[0]) for t in tensors)
+        """Keep these Tensors' arrays (None allowed) with their versions, checked in backward.
+        Inside saved_tensors_hooks(pack, unpack), pack(tensor) is kept instead of the array."""
+        hooks = getattr(_state, "saved_hooks", None)
+        if hooks is not None:
+            self.__dict__["unpack"] = hooks[1]
+        self._saved = tuple(None if t is None else
+                            (t.data if hooks is None else hooks[0](t), t._version, t._version[0])
+                            for t in tensors)
 
     @property
     def saved(self):
@@ -162,11 +172,29 @@ class Function:
                     f"(it is at version {box[0]}, it was saved at version {version}); "
                     "clone it before changing it")
             out.append(data)
-        return out
+        unpack = self.__dict__.get("unpack")
+        return out if unpack is None else [None if d is None else unpack(d) for d in out]
 
     def release(self) -> None:
         self._saved = ()
         self.freed = True
+
+
+class saved_tensors_hooks:
+    """Context manager: ops recorded inside it save pack(tensor) (anything) for backward instead of
+    the tensor's array, and backward reads unpack(that) back (torch.autograd.graph's hooks of the
+    same name). FSDP packs its gathered parameters as handles, so that freeing them after a
+    unit's forward frees their memory, and unpacks them from the gather before the unit's backward."""
+
+    def __init__(self, pack, unpack):
+        self.hooks = (pack, unpack)
+
+    def __enter__(self):
+        self.prev = getattr(_state, "saved_hooks", None)
+        _state.saved_hooks = self.hooks
+
+    def __exit__(self, *exc):
+        _state.saved_hooks = self.prev
 
 
 def _edge(t):

@@ -210,8 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
                    help="on CUDA, run every step op by op (default: from the third step on, each step is "
                         "replayed as one captured CUDA graph)")
-    t.add_argument("--parallel", help="none (default) or ddp: data parallel over the ranks of `mpiexec -n N` "
-                   "(CPU) or of torchrun/SLURM/kiln launch (GPUs); zero1, zero2, fsdp: not built yet")
+    t.add_argument("--parallel", help="none (default), ddp, zero1, zero2 or fsdp: data parallel over the ranks "
+                   "of `mpiexec -n N` (CPU) or of torchrun/SLURM/kiln launch (GPUs); zero1/zero2 shard the "
+                   "optimizer state (and gradients), fsdp the parameters too; a zero/fsdp run's checkpoints "
+                   "are one file per rank and resume on any number of ranks")
     t.add_argument("--global-batch", type=int,
                    help="tokens per optimizer step; sets grad_accum = global / (batch x seq_len x ranks)")
     t.add_argument("--bucket-mb", type=float, help="ddp: gradient bucket size in MB (default 25)")

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.checkpoint.format import SUFFIX, CheckpointError, atomic_file, load
+from kiln.checkpoint.sharded import read_full, verify_shards
 from kiln.errors import ConfigError, DataError
 from kiln.nn import GPT, GPTConfig
 
@@ -93,6 +94,8 @@ class CheckpointFolder:
         for _, p in files[:max(0, len(files) - self.keep)]:
             if p != protect and p.name != pointed:
                 p.unlink(missing_ok=True)
+                for shard in self.folder.glob(p.name[:-len(SUFFIX)] + ".shard-*" + SUFFIX):
+                    shard.unlink(missing_ok=True)  # a sharded checkpoint's files (kiln.distributed)
 
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: the pointer's, then the others newest first."""
@@ -109,6 +112,8 @@ class CheckpointFolder:
         for path in self.candidates():
             try:
                 state = load(path)
+                if "sharded" in state:  # a manifest: good only with every shard it names
+                    verify_shards(path, state)
             except CheckpointError as e:
                 failures.append(f"{path.name}: {e}")
                 report(f"{e}; trying the previous checkpoint")
@@ -188,7 +193,9 @@ def load_run(run_dir) -> tuple[GPT, object, dict]:
     if (run / WEIGHTS).is_file():
         weights = load_file(str(run / WEIGHTS))
     else:  # an interrupted run: the weights of its newest good checkpoint
-        weights = CheckpointFolder(checkpoints).load_latest()[0]["model"]
+        state, path = CheckpointFolder(checkpoints).load_latest()
+        # a data-parallel run's manifest (kiln.distributed.checkpoint) names shards that hold the weights
+        weights = read_full(path) if "sharded" in state else state["model"]
     model.to(dtype=next(iter(weights.values())).dtype)
     model.load_state_dict(weights)
     return model, load_tokenizer(run), config

@@ -3,6 +3,8 @@
     import kiln.distributed as dist
     world = dist.init_process_group()             # mpiexec, torchrun's or SLURM's environment
     model = dist.DistributedDataParallel(model)    # Algorithm 1 (paper §4.1)
+    zero = dist.ZeroDataParallel(model, AdamW(...), stage=2)      # or stage=1: ZeRO's shards
+    fsdp = dist.FullyShardedDataParallel(model, AdamW(...))       # ZeRO-3: parameters sharded too
 
 Engines, not hand-written collectives (DESIGN.md, Distributed): NCCL through the backend's
 `cupy.cuda.nccl` wrapper, MPI through mpi4py. See process_group.py for the collectives' meaning.
@@ -11,6 +13,7 @@ Engines, not hand-written collectives (DESIGN.md, Distributed): NCCL through the
 from kiln.distributed.buckets import Bucket, GradientBuckets
 from kiln.distributed.ddp import DistributedDataParallel
 from kiln.distributed.environment import Environment, detect
+from kiln.distributed.fsdp import FullyShardedDataParallel
 from kiln.distributed.mesh import DeviceMesh
 from kiln.distributed.process_group import (
     ProcessGroup,
@@ -26,8 +29,10 @@ from kiln.distributed.process_group import (
     is_initialized,
     new_group,
 )
+from kiln.distributed.shards import FlatShard, ShardedAdamW
 from kiln.distributed.store import StoreServer, TCPStore
 from kiln.distributed.work import Work
+from kiln.distributed.zero import ZeroDataParallel
 from kiln.errors import DistributedError
 
 __all__ = [
@@ -36,12 +41,17 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedError",
     "Environment",
+    "FlatShard",
+    "FullyShardedDataParallel",
     "GradientBuckets",
     "ProcessGroup",
+    "ShardedAdamW",
     "StoreServer",
     "TCPStore",
     "Work",
-    "abort_job", "all_reduce",
+    "ZeroDataParallel",
+    "abort_job",
+    "all_reduce",
     "barrier",
     "broadcast",
     "destroy_process_group",

@@ -92,14 +92,15 @@ class DistributedDataParallel:
         bucket.pending -= 1                # line 16
         buckets = self.buckets.buckets
         while self._next < len(buckets) and buckets[self._next].pending == 0:  # line 17: in-order gate
-            self._launch(buckets[self._next])                                  # line 18
+            b = buckets[self._next]
+            b.work = self._launch(b)                                           # line 18
             self._next += 1
         if self._next == len(buckets):
             self._finalize()
 
-    def _launch(self, bucket) -> None:
-        """The bucket's collective, asynchronous (ZeRO-2 reduce-scatters into the rank's shard here)."""
-        bucket.work = self.group.all_reduce(bucket.buffer, "avg", async_op=True)
+    def _launch(self, bucket):
+        """The bucket's collective (ZeRO reduce-scatters instead): the average over the ranks, async."""
+        return self.group.all_reduce(bucket.buffer, "avg", async_op=True)
 
     def _scatter(self, bucket) -> None:
         """Line 22 for one bucket whose collective is done: each parameter's gradient becomes its

@@ -115,5 +115,6 @@ def accumulation_steps(config: TrainConfig, seq_len: int, world_size: int) -> in
     return config.global_batch // per
 
 
-RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints",
+RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints", "parallel",
+                    "batch_size",  # with another number of ranks: batch_size x ranks stays the loader's step
                     "async_checkpoint", "eval_interval", "sample_tokens")

@@ -50,13 +50,13 @@ from kiln.train.config import (
     resolve_device,
 )
 
+SHARDED = ("zero1", "zero2", "fsdp")  # parallel modes whose optimizer state lives in shards, one per rank
+
 
 def data_parallel_group(parallel: str, device):
     """The world process group for a parallel run (NCCL on CUDA, MPI on the CPU), None for "none"."""
     if parallel == "none":
         return None
-    if parallel != "ddp":
-        raise NotBuiltError(f"parallel={parallel!r} (ZeRO/FSDP) is not built yet; built: none, ddp")
     from kiln.distributed import init_process_group
     return init_process_group("nccl" if device.type == "cuda" else "mpi")
 
@@ -105,12 +105,26 @@ class Trainer:
         if pretrained is not None:
             self.model.load_state_dict(pretrained.state_dict())
         apply_precision(self.model, config.precision, self.device)
-        self.ddp = None
-        if self.group is not None:  # rank 0's weights everywhere, gradients averaged in buckets
-            from kiln.distributed import DistributedDataParallel
-            self.ddp = DistributedDataParallel(self.model, self.group, bucket_cap_mb=config.bucket_mb)
         self.optimizer = AdamW(gpt_param_groups(self.model, config.weight_decay), lr=config.lr,
                                betas=config.betas, eps=config.eps)
+        self.adamw = self.optimizer  # ZeRO/FSDP: self.optimizer becomes its sharded form
+        self.ddp = None  # the data-parallel wrapper: DDP, ZeRO-1/2 or FSDP
+        self.sharded = config.parallel in SHARDED
+        if self.group is not None:  # rank 0's weights everywhere, gradients averaged in buckets
+            from kiln.distributed import (
+                DistributedDataParallel,
+                FullyShardedDataParallel,
+                ZeroDataParallel,
+            )
+            if config.parallel == "ddp":
+                self.ddp = DistributedDataParallel(self.model, self.group, bucket_cap_mb=config.bucket_mb)
+            elif config.parallel == "fsdp":
+                self.ddp = FullyShardedDataParallel(self.model, self.optimizer, group=self.group)
+            else:
+                self.ddp = ZeroDataParallel(self.model, self.optimizer, stage=int(config.parallel[-1]),
+                                            group=self.group, bucket_cap_mb=config.bucket_mb)
+            if self.sharded:
+                self.optimizer = self.ddp.optimizer
         self.step = 0
         self.run_dir: Path | None = None
         self.last_loss: float | None = None
@@ -158,6 +172,7 @@ class Trainer:
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
+                and not self.sharded  # ZeRO/FSDP steps run eagerly (ShardedAdamW is not captured yet)
                 and self.model_config.dropout == 0.0 and not self._graph_failed)
 
     def _step_body(self, *batches):
@@ -220,6 +235,8 @@ class Trainer:
             write_config(self.run_dir, self.model_config, jsonable(dataclasses.asdict(c)),
                          data=str(self.data_dir), device=str(self.device))
         run = self.run_dir
+        if self.sharded:  # every rank writes its checkpoint shard into rank 0's run folder
+            self.group.engine.exchange(str(run))
         entropy = unigram_entropy(self.train_loader.paths, self.tokenizer.vocab_size)
         tokens_per_step = c.batch_size * self.seq_len * self.grad_accum * self.world_size
         history = logged_rows(run / METRICS, self.step) if resumed else []
@@ -268,6 +285,7 @@ class Trainer:
             return {"run_dir": str(run), "steps": self.step, "interrupted": signal.Signals(self.stop_signal).name,
                     "checkpoint": str(checkpoints.path_for(self.step)) if self.step else None, "elapsed_s": elapsed,
                     "final_train_loss": self.last_loss}
+        self._gather_for_writing()
         self.save_weights(run / WEIGHTS)
         plot_losses(history, run / LOSS_PLOT, entropy)
         text = self.sample(c.sample_prompt, c.sample_tokens) if c.sample_tokens else ""
@@ -294,11 +312,24 @@ class Trainer:
         """fit() on a rank other than 0: the same steps, evaluations and collectives, no files."""
         c = self.config
         val = None
+        checkpoints = saved = None
+        if self.sharded:  # the checkpoints are collective: this rank writes its shard at rank 0's steps
+            from kiln.checkpoint import CheckpointFolder
+            run = Path(self.group.engine.exchange(None)[0])
+            checkpoints, saved = CheckpointFolder(run / "checkpoints", c.keep_checkpoints), self.step
         with self._stop_on_signals():
             while self.step < c.max_steps and self._keep_going():
                 self.train_step()
                 if self.step % c.eval_interval == 0 or self.step == c.max_steps:
                     val = self.evaluate()
+                if checkpoints is not None and c.checkpoint_interval and self.step < c.max_steps \
+                        and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
+                        and self.stop_signal is None:
+                    saved = self.save_checkpoint(checkpoints)
+            if checkpoints is not None and saved != self.step:
+                self.save_checkpoint(checkpoints)
+        if self.stop_signal is None:
+            self._gather_for_writing()
         return {"run_dir": None, "rank": self.rank, "steps": self.step, "final_train_loss": self.last_loss,
                 "final_val_loss": val,
                 **({"interrupted": signal.Signals(self.stop_signal).name} if self.stop_signal else {})}
@@ -347,6 +378,13 @@ class Trainer:
     def save_weights(self, path: Path) -> None:
         save_weights(path, self.model)
 
+    def _gather_for_writing(self) -> None:
+        """FSDP, on every rank at the end of a run: the full parameters, so that rank 0 alone can
+        write the weights and sample (a forward) with no collective."""
+        from kiln.distributed import FullyShardedDataParallel
+        if isinstance(self.ddp, FullyShardedDataParallel):
+            self.ddp.summon_full_parameters()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """The whole training state, arrays live (not copies): parameters, AdamW moments and step,
@@ -355,13 +393,15 @@ class Trainer:
         and loss")."""
         from kiln.random import default_generator
         names = {id(p): n for n, p in self.model.named_parameters()}
-        optimizer = self.optimizer.state_dict()
-        optimizer["params"] = [names[id(p)] for p in self.optimizer.params]
+        optimizer = None  # ZeRO/FSDP: parameters and moments go to each rank's shard file
+        if not self.sharded:
+            optimizer = self.optimizer.state_dict()
+            optimizer["params"] = [names[id(p)] for p in self.optimizer.params]
         devices = sorted({"cpu", str(self.device)})
         return {"kind": "kiln.Trainer", "kiln": kiln.__version__, "step": self.step,
                 "epoch": self.train_loader.state_dict()["epoch"], "last_loss": self.last_loss,
                 "device": str(self.device), "precision": self.config.precision,
-                "model": {n: p.data for n, p in self.model.named_parameters()},
+                "model": None if self.sharded else {n: p.data for n, p in self.model.named_parameters()},
                 "optimizer": optimizer,
                 "loaders": {"train": self.train_loader.state_dict(), "val": self.val_loader.state_dict()},
                 "rng": {"default": {d: default_generator(d).get_state() for d in devices},
@@ -369,7 +409,7 @@ class Trainer:
                 "config": {"train": jsonable(dataclasses.asdict(self.config)),
                            "model": dataclasses.asdict(self.model_config)}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, shards=None) -> None:
         """Continue from `state_dict()`'s state, onto this trainer's device (cpu <-> cuda works; bit
         for bit on the same device and precision). A checkpoint of another model or data is a
         CheckpointError that names the difference."""
@@ -385,15 +425,27 @@ class Trainer:
                                   f"{diff} (checkpoint, this model)")
         names = [n for n, _ in self.model.named_parameters()]
         order = {id(p): n for n, p in self.model.named_parameters()}
-        if state["optimizer"].get("params") != [order[id(p)] for p in self.optimizer.params]:
+        if state["model"] is None:  # a sharded checkpoint: the arrays are in the shard files
+            if shards is None:
+                raise CheckpointError("this state's parameters are in a sharded checkpoint's shard files; "
+                                      "resume it with Trainer.from_checkpoint")
+        elif self.sharded:
+            raise NotBuiltError(f"parallel={self.config.parallel!r} resumes from a sharded checkpoint (of a "
+                                "zero1/zero2/fsdp run); this one is a single file (of a none/ddp run): "
+                                "resume it with parallel none or ddp")
+        elif state["optimizer"].get("params") != [order[id(p)] for p in self.optimizer.params]:
             raise CheckpointError("the checkpoint's optimizer holds other parameters than this model's "
                                   f"({len(state['optimizer'].get('params') or [])} vs {len(names)})")
         if self._graph_step is not None:  # the graph would keep updating the old buffers
             self._graph_step.release()
             self._graph_step = None
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if state["model"] is None:
+                from kiln.distributed.checkpoint import load_sharded
+                load_sharded(shards, self.model, self.adamw, self.ddp, self.group)
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
             self.train_loader.load_state_dict(state["loaders"]["train"])
             self.val_loader.load_state_dict(state["loaders"]["val"])
         except CheckpointError:
@@ -424,12 +476,15 @@ class Trainer:
             raise ConfigError(f"a resumed run keeps its checkpoint's settings; {bad} cannot change; "
                               f"allowed: {', '.join(RESUME_OVERRIDES)}")
         state, path = CheckpointFolder(run / "checkpoints").load_latest(report)
+        shards = None
+        if "sharded" in state:  # a zero/fsdp run's manifest: the trainer's state, shards named
+            state, shards = state["state"], path
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         train = {k: v for k, v in state["config"]["train"].items() if k in fields}
         train.update(overrides, init_from=None, betas=tuple(train["betas"]),
                      model_overrides=state["config"]["model"])  # the checkpoint fixes the model
         trainer = cls(TrainConfig(**train))
-        trainer.load_state_dict(state)
+        trainer.load_state_dict(state, shards)
         trainer.run_dir, trainer.resumed_from = run, path
         return trainer
 
@@ -439,7 +494,14 @@ class Trainer:
         from kiln.checkpoint import save
         from kiln.checkpoint.async_save import to_host
         path = checkpoints.path_for(self.step)
-        if saver is not None:
+        if self.sharded:  # collective: each rank writes its own shard, rank 0 the manifest
+            from kiln.distributed.checkpoint import save_sharded
+            t0 = time.perf_counter()
+            result = save_sharded(path, self.model, self.adamw, self.ddp, self.group, state=to_host(self.state_dict()))
+            if self.rank == 0:
+                checkpoints.commit(result)
+            self.checkpoint_stalls.append(time.perf_counter() - t0)
+        elif saver is not None:
             self.checkpoint_stalls.append(saver.save(path, self.state_dict(), on_done=checkpoints.commit))
         else:
             t0 = time.perf_counter()
@@ -452,7 +514,9 @@ class Trainer:
         from kiln.checkpoint import AsyncSaver, CheckpointFolder
         checkpoints = CheckpointFolder(run / "checkpoints", self.config.keep_checkpoints)
         checkpoints.prepare()
-        return checkpoints, AsyncSaver() if self.config.async_checkpoint else None, self.step
+        # ZeRO/FSDP checkpoints are written by every rank together, synchronously
+        async_save = self.config.async_checkpoint and not self.sharded
+        return checkpoints, AsyncSaver() if async_save else None, self.step
 
     @contextlib.contextmanager
     def _stop_on_signals(self):

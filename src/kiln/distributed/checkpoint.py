@@ -1,0 +1,174 @@
+"""Sharded checkpoints: every rank writes its own shard in parallel, one manifest names them, and a
+run saved with W ranks and one strategy resumes with W' ranks and another (DDP, ZeRO-1/2, FSDP).
+
+    ckpt-00000200.kiln                        the manifest: a kiln checkpoint file (checksummed)
+    ckpt-00000200.shard-00001-of-00004.kiln   rank 1's pieces: each a kiln checkpoint file
+
+What a rank writes is what it owns, as element ranges of each parameter's flattened values: its
+FlatShards' segments under ZeRO and FSDP (values and AdamW moments), a 1/W slice of every
+parameter under DDP (whose ranks hold the same state). The manifest (written by rank 0 after
+every shard is on disk, so a crash leaves the previous checkpoint the newest good one) holds the
+optimizer's hyperparameters, the caller's state, and per shard file its checksum and the ranges
+it holds. Loading, each rank reads the shard files that overlap what it owns under the new
+layout; a missing shard, or one whose checksum is not the manifest's, is a CheckpointError, and a
+corrupt one fails its own checksums, as for single files (kiln.checkpoint.format).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kiln.autograd import no_grad
+from kiln.checkpoint.format import CheckpointError, load, save
+from kiln.checkpoint.sharded import load_shard, shard_path
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class _Layout:
+    """Where this rank's part of each parameter (and its moments) lives under a strategy: a list
+    of (name, parameter, lo, hi, {kind: array view of hi - lo elements or None})."""
+
+    def __init__(self, model, optimizer, wrapper, group):
+        from kiln.distributed.fsdp import FullyShardedDataParallel
+        from kiln.distributed.zero import ZeroDataParallel
+        self.wrapper, self.group = wrapper, group
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.pieces = []
+        if isinstance(wrapper, (ZeroDataParallel, FullyShardedDataParallel)):
+            self.adamw = wrapper.optimizer.optimizer
+            for s in wrapper.optimizer.shards:
+                for p, a, b, off in s.segments:
+                    views = {"param": s.param[a:b], "exp_avg": None if s.exp_avg is None else s.exp_avg[a:b],
+                             "exp_avg_sq": None if s.exp_avg_sq is None else s.exp_avg_sq[a:b]}
+                    self.pieces.append((names[id(p)], p, off, off + b - a, views, s))
+            self.sharded = True
+        else:  # DDP or one process: full replicas, each rank writes 1/W of every parameter
+            self.adamw, self.sharded = optimizer, False
+            moments = optimizer._moments
+            index = {id(p): i for i, p in enumerate(optimizer.params)}
+            for n, p in self.params.items():
+                i = index[id(p)]
+                views = {"param": p.data.reshape(-1),
+                         "exp_avg": None if moments is None else moments[0][i].reshape(-1),
+                         "exp_avg_sq": None if moments is None else moments[1][i].reshape(-1)}
+                self.pieces.append((n, p, 0, p.numel(), views, None))
+
+    def own(self, rank: int, world: int):
+        """The pieces this rank writes: all of its shards', or its 1/W slice of each replica."""
+        if self.sharded:
+            yield from self.pieces
+            return
+        for n, p, lo, hi, views, s in self.pieces:
+            a, b = lo + (hi - lo) * rank // world, lo + (hi - lo) * (rank + 1) // world
+            if a < b:
+                yield n, p, a, b, {k: None if v is None else v[a - lo:b - lo] for k, v in views.items()}, s
+
+
+def save_sharded(path, model, optimizer, wrapper=None, group=None, state: dict | None = None) -> dict:
+    """Collective over group: every rank writes its shard of model's parameters and optimizer's
+    moments (wrapper: the ZeRO/FSDP/DDP wrapper, or None for one process), rank 0 the manifest
+    naming them with `state` (JSON values and arrays). Returns rank 0's {"path", "bytes", "checksum"}."""
+    from kiln.distributed.process_group import get_world
+    group = group or get_world()
+    layout = _Layout(model, optimizer, wrapper, group)
+    tensors, ranges = {}, {}
+    for n, _, lo, hi, views, _ in layout.own(group.rank, group.size):
+        ranges[n] = [lo, hi]
+        for kind, v in views.items():
+            if v is not None:
+                tensors[f"{kind}/{n}"] = np.asarray(_host(v))
+    mine = shard_path(path, group.rank, group.size)
+    result = save(mine, {"tensors": tensors})
+    everyone = group.engine.exchange({"file": mine.name, "checksum": result["checksum"], "ranges": ranges,
+                                      "bytes": result["bytes"]})
+    adamw = layout.adamw
+    manifest = {"sharded": {"world_size": group.size, "files": everyone,
+                            "moments": any(v["exp_avg"] is not None for *_, v, _ in layout.pieces),
+                            "shapes": {n: list(p.shape) for n, p in layout.params.items()}},
+                "optimizer": {"step": adamw.step_count, "betas": list(adamw.betas), "eps": adamw.eps,
+                              "groups": [{"lr": g["lr"], "weight_decay": g["weight_decay"]}
+                                         for g in adamw.param_groups]},
+                "state": state or {}}
+    out = save(path, manifest) if group.rank == 0 else None
+    group.barrier()  # the manifest is on disk before anyone goes on
+    return out
+
+
+def _host(array):
+    return array.get() if hasattr(array, "get") else array
+
+
+def load_sharded(path, model, optimizer, wrapper=None, group=None) -> dict:
+    """Collective over group: put the checkpoint at path (a manifest) into model, optimizer and
+    wrapper, whatever world size and strategy saved it; returns the `state` saved with it."""
+    from kiln.distributed.process_group import get_world
+    group = group or (get_world() if wrapper is not None else None)  # one process needs no group
+    path = Path(path)
+    manifest = load(path)
+    if "sharded" not in manifest:
+        raise CheckpointError(f"{path} is not a sharded checkpoint manifest")
+    info = manifest["sharded"]
+    layout = _Layout(model, optimizer, wrapper, group)
+    shapes = {n: list(p.shape) for n, p in layout.params.items()}
+    if shapes != info["shapes"]:
+        bad = sorted(n for n in set(shapes) | set(info["shapes"]) if shapes.get(n) != info["shapes"].get(n))
+        raise CheckpointError(f"{path} holds another model: parameters {bad[:5]} differ in name or shape")
+    files, cache = info["files"], {}
+
+    def shard(entry):
+        if entry["file"] not in cache:
+            cache[entry["file"]] = load_shard(path, entry)
+        return cache[entry["file"]]
+
+    adamw = layout.adamw
+    opt = manifest["optimizer"]
+    if len(opt["groups"]) != len(adamw.param_groups):
+        raise CheckpointError(f"{path} has {len(opt['groups'])} optimizer param groups, this optimizer "
+                              f"{len(adamw.param_groups)}")
+    adamw.step_count, adamw.betas, adamw.eps = int(opt["step"]), tuple(opt["betas"]), float(opt["eps"])
+    for g, s in zip(adamw.param_groups, opt["groups"]):
+        g["lr"], g["weight_decay"] = s["lr"], s["weight_decay"]
+    if info["moments"] and not layout.sharded and adamw._moments is None:
+        adamw._allocate()
+        layout = _Layout(model, optimizer, wrapper, group)
+    kinds = KINDS if info["moments"] else ("param",)
+    with no_grad():
+        for n, p, lo, hi, views, s in layout.pieces:
+            if info["moments"] and s is not None and s.exp_avg is None:
+                xp = p.backend.xp
+                s.exp_avg, s.exp_avg_sq = xp.zeros_like(s.param), xp.zeros_like(s.param)
+            for kind in kinds:
+                target = _target(views, kind, s, lo, hi, p)
+                for entry in files:
+                    a, b = entry["ranges"].get(n, (0, 0))
+                    x, y = max(a, lo), min(b, hi)
+                    if x < y:
+                        piece = shard(entry)[f"{kind}/{n}"][x - a:y - a]
+                        target[x - lo:y - lo] = p.backend.asarray(piece)
+    _after_load(layout)
+    return manifest["state"]
+
+
+def _target(views, kind, s, lo, hi, p):
+    """The array (hi - lo elements) the loaded values of kind go to."""
+    if views[kind] is not None:
+        return views[kind]
+    # moments created just now for a shard: find this piece's place in it
+    for q, a, b, off in s.segments:
+        if q is p and off == lo:
+            return (s.exp_avg if kind == "exp_avg" else s.exp_avg_sq)[a:b]
+    raise CheckpointError(f"no place for {kind} of a parameter piece [{lo}, {hi})")
+
+
+def _after_load(layout) -> None:
+    """ZeRO-1/2: every rank's parameters from the loaded shards; versions bumped."""
+    from kiln.distributed.zero import ZeroDataParallel
+    if isinstance(layout.wrapper, ZeroDataParallel):
+        layout.wrapper._gather_parameters()
+    for p in layout.params.values():
+        p._version[0] += 1
+

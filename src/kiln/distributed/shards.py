@@ -1,0 +1,118 @@
+"""This rank's share of flat parameter layouts, and the AdamW that updates only that share (ZeRO, FSDP).
+
+A flat layout is a Bucket (buckets.py): parameters back to back, padded to a multiple of the
+world size W. Rank r owns elements [r·S, (r+1)·S) of it, S = padded / W: their values (`param`),
+their gradient averaged over the ranks (`grad`, what a reduce-scatter leaves) and their AdamW
+moments. The update is the backend's fused multi-tensor AdamW on the pieces of the shard that
+belong to each parameter (each with its group's lr and weight decay; padding is never updated),
+so each element gets exactly the arithmetic of kiln.optim.AdamW. The global-norm clip is exact:
+every rank's sum of squares, all-reduced (ZeRO, Rajbhandari et al. 2020; paper §2.2).
+"""
+
+from __future__ import annotations
+
+from kiln.autograd import no_grad
+from kiln.errors import ConfigError, KilnError, NotBuiltError
+from kiln.graph import capturing
+from kiln.tensor import Tensor
+
+
+class FlatShard:
+    """Rank's share of one flat layout (a Bucket): `param` (S values), `grad` (S or None), moments."""
+
+    def __init__(self, bucket, rank: int, world_size: int, param):
+        self.bucket, self.param, self.grad = bucket, param, None
+        self.size = -(-bucket.numel // world_size)
+        self.start = rank * self.size
+        self.exp_avg = self.exp_avg_sq = None
+        # (parameter, first, end) in shard coordinates, and where that piece starts in the parameter
+        self.segments = []
+        for p, offset in zip(bucket.params, bucket.offsets):
+            lo, hi = max(offset, self.start), min(offset + p.numel(), self.start + self.size)
+            if lo < hi:
+                self.segments.append((p, lo - self.start, hi - self.start, lo - offset))
+
+
+class ShardedAdamW:
+    """kiln.optim.AdamW over FlatShards: the same param_groups (lr, weight_decay), betas, eps and
+    step count, the same interface (zero_grad, clip_grad_norm_, step, state_dict), each rank
+    updating its shard only. after_step() runs after each update (ZeRO-1/2: all-gather params)."""
+
+    def __init__(self, optimizer, shards: list, group, after_step=None):
+        self.optimizer, self.shards, self.group, self.after_step = optimizer, shards, group, after_step
+        self.param_groups = optimizer.param_groups
+        owned = {id(p) for s in shards for p in s.bucket.params}
+        mine = {id(p) for p in optimizer.params}
+        if owned != mine:
+            raise ConfigError(f"the optimizer holds {len(mine)} parameters, the sharded model "
+                              f"{len(owned)}: give it exactly the module's trainable parameters")
+        self._group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        self._clip = None
+
+    @property
+    def step_count(self) -> int:
+        return self.optimizer.step_count
+
+    @property
+    def params(self):
+        return self.optimizer.params
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the local (unreduced) gradients of accumulation micro-steps and a pending clip."""
+        self._clip = None
+        for p in self.params:
+            p.grad = None
+
+    @no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """The global L2 norm of the averaged gradients, all shards together (a 0-d tensor); the
+        next step() clips by it as AdamW.clip_grad_norm_ does. Collective over the group."""
+        if max_norm <= 0:
+            raise ConfigError(f"clip_grad_norm_ needs max_norm > 0, got {max_norm}")
+        shards = [s for s in self.shards if s.grad is not None]
+        if not shards:
+            raise KilnError("clip_grad_norm_ found no gradients; call backward() first")
+        backend, device = shards[0].bucket.params[0].backend, shards[0].bucket.params[0].device
+        xp = backend.xp
+        total = xp.zeros((1,), dtype="float64")
+        for s in shards:
+            for _, a, b, _ in s.segments:
+                g = s.grad[a:b].astype("float64")
+                total += xp.dot(g, g)
+        self.group.all_reduce(Tensor._wrap(total, device), "sum")
+        wide = all(s.grad.dtype == xp.float64 for s in shards)
+        norm = xp.sqrt(total[0]).astype("float64" if wide else "float32")
+        self._clip = (norm, float(max_norm))
+        return Tensor._wrap(norm, device)
+
+    @no_grad()
+    def step(self) -> None:
+        """One AdamW update of this rank's shard of every parameter, then after_step()."""
+        if capturing():
+            raise NotBuiltError("ZeRO/FSDP steps cannot be captured into a CUDA graph yet; "
+                                "train them eagerly (graph capture works with DDP)")
+        opt = self.optimizer
+        opt.step_count += 1
+        by_lr: dict = {}
+        for s in self.shards:
+            if s.grad is None:
+                continue
+            if s.exp_avg is None:
+                xp = s.bucket.params[0].backend.xp
+                s.exp_avg, s.exp_avg_sq = xp.zeros_like(s.param), xp.zeros_like(s.param)
+            for p, a, b, _ in s.segments:
+                g = self.param_groups[self._group_of[id(p)]]
+                batch = by_lr.setdefault((g["lr"], p.device), ([], [], [], [], [], p.backend))
+                for column, array in zip(batch, (s.param, s.grad, s.exp_avg, s.exp_avg_sq)):
+                    column.append(array[a:b])
+                batch[4].append(g["weight_decay"])
+        clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
+        self._clip = None
+        b1, b2 = opt.betas
+        for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
+            backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, opt.eps, opt.step_count,
+                               clip_norm=clip_norm, max_norm=max_norm)
+        if self.after_step is not None:
+            self.after_step()
+        for p in self.params:
+            p._version[0] += 1
