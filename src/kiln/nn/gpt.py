@@ -28,10 +28,16 @@ class GPTConfig:
     tie_weights: bool = True
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        # each field is checked against its declared type: bools take true/false only, ints reject
+        # bools (True is an int to Python) and floats, floats take ints
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"model.{f.name} must be true or false, got {value!r}")
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"model.{f.name} must be a positive integer, got {value!r}")
+            if f.type == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise ConfigError(f"model.{f.name} must be a number, got {value!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head "
                               f"({self.n_head})")

@@ -1,0 +1,42 @@
+"""Bad input, hostile files and interrupted work (issue 11): each ends in a `kiln: error:` naming the
+bad value (exit 2, no traceback) or a loud fallback, and nothing half-written is left behind."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kiln.cli import main
+
+TINY = ["--device", "cpu", "--steps", "2", "--eval-interval", "2", "--batch-size", "2", "--seq-len", "16",
+        "--set", "n_layer=1", "--set", "n_embd=16", "--set", "n_head=2", "--no-progress"]
+
+
+def cli(capsys, *argv):
+    """(exit status, stdout, stderr) of `kiln argv...` run in this process."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+# 1 ------------------------------------------------------------------ model settings are type-checked
+@pytest.mark.parametrize("setting,message", [
+    ("dropout=abc", "model.dropout must be a number, got 'abc'"),
+    ("bias=maybe", "model.bias must be true or false, got 'maybe'"),
+    ("tie_weights=maybe", "model.tie_weights must be true or false, got 'maybe'"),
+    ("n_layer=true", "model.n_layer must be a positive integer, got True"),
+    ("n_embd=1.5", "model.n_embd must be a positive integer, got 1.5"),
+])
+def test_model_settings_are_type_checked(tmp_path, capsys, setting, message):
+    code, _, err = cli(capsys, "train", "--set", setting, "--out", tmp_path / "runs")
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_model_settings_of_the_right_type_pass():
+    from kiln.nn import GPTConfig, preset
+    cfg = preset("tiny", dropout=0, bias=False, n_layer=2)  # an int is a fine float
+    assert cfg.dropout == 0 and cfg.bias is False and cfg.n_layer == 2
+    with pytest.raises(Exception, match="model.vocab_size must be a positive integer, got 256.0"):
+        GPTConfig(vocab_size=256.0)
