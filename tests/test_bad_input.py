@@ -40,3 +40,28 @@ def test_model_settings_of_the_right_type_pass():
     assert cfg.dropout == 0 and cfg.bias is False and cfg.n_layer == 2
     with pytest.raises(Exception, match="model.vocab_size must be a positive integer, got 256.0"):
         GPTConfig(vocab_size=256.0)
+
+
+# 2 ------------------------------------------------------------------ a damaged meta.json
+def prepared(tmp_path, name="data", text=None):
+    """A small byte-level data folder made by `kiln prepare`."""
+    from kiln.data.prepare import prepare
+    rng = np.random.default_rng(0)
+    words = ["the", "model", "reads", "a", "token", "shard", "and", "learns", "from", "it"]
+    src = tmp_path / f"{name}.txt"
+    src.write_text(text or "".join(" ".join(rng.choice(words, 12)) + "\n" for _ in range(4000)))
+    prepare([src], tmp_path / name, tokenizer="bytes", val_fraction=0.1, progress=False)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\xff\xfe{", "not UTF-8 JSON"),
+    (b"[1, 2]", "holds a list, not an object"),
+    (b'{"splits": []}', "'splits' must map train and val to their shards"),
+    (b'{"splits": {"train": {"shards": "x.bin"}}}', "must map train and val to their shards"),
+])
+def test_a_damaged_meta_json_is_an_error_naming_it(tmp_path, capsys, content, message):
+    data = prepared(tmp_path)
+    (data / "meta.json").write_bytes(content)
+    code, _, err = cli(capsys, "train", "--data", data, "--out", tmp_path / "runs", *TINY)
+    assert code == 2 and "meta.json" in err and message in err, err

@@ -12,11 +12,31 @@ from kiln.data.staging import open_staging, split_window
 from kiln.errors import ConfigError, DataError
 
 
-def _read_meta(file: Path) -> dict:
+def read_meta(folder) -> dict | None:
+    """A data folder's meta.json, checked (an object; `splits` maps each split to its list of shard
+    names; the vocabulary sizes are positive integers), or None when the folder has none."""
+    file = Path(folder) / META_FILE
+    if not file.is_file():
+        return None
     try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{file}: not a readable meta.json: {e}") from None
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise DataError(f"{file}: not a readable meta.json: {e.strerror or e}") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise DataError(f"{file}: not UTF-8 JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{file}: holds a {type(meta).__name__}, not an object as `kiln prepare` writes")
+    splits = meta.get("splits", {})
+    if not isinstance(splits, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("shards"), list)
+            and all(isinstance(n, str) for n in v["shards"]) for v in splits.values()):
+        raise DataError(f"{file}: 'splits' must map train and val to their shards "
+                        f'({{"train": {{"shards": ["train_000000.bin", ...]}}, ...}}), got {splits!r:.200}')
+    for key in ("vocab_size", "padded_vocab_size"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DataError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return meta
 
 
 def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
@@ -25,8 +45,8 @@ def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
         paths = [Path(p) for p in path]
     elif Path(path).is_dir():
         folder = Path(path)
-        if (folder / META_FILE).is_file():
-            meta = _read_meta(folder / META_FILE)
+        meta = read_meta(folder)
+        if meta is not None:
             names = meta.get("splits", {}).get(split, {}).get("shards", [])
             if not names:
                 raise DataError(f"{folder}: {META_FILE} lists no {split!r} shards; it has "
@@ -37,8 +57,7 @@ def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
         paths = [Path(p) for p in sorted(glob.glob(str(path)))]
     if not paths:
         raise DataError(f"{path}: no {split!r} shards found (a folder of *{split}*.bin, a glob or a list)")
-    meta_file = paths[0].parent / META_FILE
-    return sorted(paths), _read_meta(meta_file) if meta_file.is_file() else {}
+    return sorted(paths), read_meta(paths[0].parent) or {}
 
 
 class ShardLoader:

@@ -64,7 +64,7 @@ def data_parallel_group(parallel: str, device):
 
 class Trainer:
     def __init__(self, config: TrainConfig):
-        from kiln.data.loader import ShardLoader
+        from kiln.data.loader import ShardLoader, read_meta
         from kiln.data.tokenizer import load_tokenizer
         config.validate()
         self.config = config
@@ -80,8 +80,7 @@ class Trainer:
         pretrained = load_pretrained(config.init_from) if config.init_from else None
         if pretrained is not None:  # the weights fix the architecture; explicit overrides (dropout) win
             overrides = {**dataclasses.asdict(pretrained.config), **overrides}
-        meta_vocab = json.loads((data / "meta.json").read_text()).get("padded_vocab_size") \
-            if (data / "meta.json").is_file() else None
+        meta_vocab = (read_meta(data) or {}).get("padded_vocab_size") if data.is_dir() else None
         if meta_vocab and "vocab_size" not in overrides:
             overrides["vocab_size"] = meta_vocab
         self.model_config: GPTConfig = preset(config.model, **overrides)
