@@ -65,3 +65,25 @@ def test_a_damaged_meta_json_is_an_error_naming_it(tmp_path, capsys, content, me
     (data / "meta.json").write_bytes(content)
     code, _, err = cli(capsys, "train", "--data", data, "--out", tmp_path / "runs", *TINY)
     assert code == 2 and "meta.json" in err and message in err, err
+
+
+# 3 ------------------------------------------------------------------ an output path that is a file
+def test_train_out_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("mine")
+    code, _, err = cli(capsys, "train", "--out", tmp_path / "f", *TINY)
+    assert code == 2 and "--out" in err and "is a file" in err, err
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def finished_run(tmp_path, capsys, name="run"):
+    code, _, err = cli(capsys, "train", "--out", tmp_path, "--name", name, *TINY)
+    assert code == 0, err
+    return tmp_path / name
+
+
+def test_export_to_a_file(tmp_path, capsys):
+    run = finished_run(tmp_path, capsys)
+    (tmp_path / "f").write_text("mine")
+    code, _, err = cli(capsys, "export", run, tmp_path / "f")
+    assert code == 2 and "is a file" in err, err
+    assert (tmp_path / "f").read_text() == "mine"

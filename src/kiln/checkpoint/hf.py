@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.checkpoint.format import CheckpointError, atomic_file
+from kiln.paths import output_folder
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -106,9 +107,9 @@ def export_hf(model, out_dir, vocab_size: int | None = None, dtype: str | None =
     """Write `model` as a GPT2LMHeadModel folder: model.safetensors (HF names, Conv1D layout) and
     config.json; with tokenizer_dir, its tokenizer file is copied too. Returns the folder."""
     from safetensors.numpy import save as st_save
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(out_dir, "the export folder")
     tensors = to_hf_tensors(model, vocab_size, dtype)
+    out.mkdir(parents=True, exist_ok=True)
     dt = str(tensors["transformer.wte.weight"].dtype)
     with atomic_file(out / HF_WEIGHTS) as f:
         f.write(st_save(tensors, metadata={"format": "pt"}))  # transformers wants format "pt"
@@ -200,7 +201,7 @@ def import_hf_run(hf_dir, run_dir, pad_vocab_to: int | None = None) -> Path:
     one) from an HF GPT-2 folder: `kiln sample` reads it, `kiln train --init-from` fine-tunes it."""
     from kiln.checkpoint.run_folder import WEIGHTS, save_weights, write_config
     model = import_hf(hf_dir, pad_vocab_to=pad_vocab_to)
-    run = Path(run_dir)
+    run = output_folder(run_dir, "--out")
     if run.exists() and any(run.iterdir()):
         raise CheckpointError(f"--out {run}: the folder exists and is not empty; choose a new one")
     run.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from kiln.errors import ConfigError, DataError, NotBuiltError
 from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
+from kiln.paths import output_folder
 from kiln.profiler.cost import gpt_flops_per_token, mfu
 from kiln.train.config import (
     RESUME_OVERRIDES,
@@ -68,6 +69,7 @@ class Trainer:
         from kiln.data.tokenizer import load_tokenizer
         config.validate()
         self.config = config
+        output_folder(config.out_dir, "out_dir (--out)")
         self.device = resolve_device(config.device)
         self.group = data_parallel_group(config.parallel, self.device)
         self.rank, self.world_size = (self.group.rank, self.group.size) if self.group else (0, 1)

@@ -1,0 +1,32 @@
+"""Where kiln reads and writes on a user's behalf: a file that a folder's own index names must lie
+inside that folder, and an output folder must be a folder (or creatable as one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.errors import ConfigError, DataError
+
+
+def file_inside(folder, name, what: str, error: type = DataError) -> Path:
+    """`folder / name`, refused (`error`) when `name` is not a plain relative path that stays inside
+    `folder` after symlinks and `..` are resolved: an index (meta.json, an HF weight_map) names only
+    its own files."""
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise error(f"{what} names {name!r}: allowed is a file name inside {folder}")
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise error(f"{what} names {name!r}, which is outside {folder}: allowed are files inside it")
+    return path
+
+
+def output_folder(path, what: str) -> Path:
+    """`path` as a folder to write into: refused when it, or the nearest part of it that exists,
+    is not a folder (mkdir would fail half-way with NotADirectoryError or FileExistsError)."""
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"{what} {str(path)!r}: {str(existing)!r} is a file, not a folder; "
+                          "give a folder (it is created if it does not exist)")
+    return path
