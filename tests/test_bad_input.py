@@ -2,6 +2,8 @@
 bad value (exit 2, no traceback) or a loud fallback, and nothing half-written is left behind."""
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,15 +77,60 @@ def test_train_out_that_is_a_file(tmp_path, capsys):
     assert (tmp_path / "f").read_text() == "mine"
 
 
-def finished_run(tmp_path, capsys, name="run"):
-    code, _, err = cli(capsys, "train", "--out", tmp_path, "--name", name, *TINY)
-    assert code == 0, err
-    return tmp_path / name
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One small finished run folder, trained once for this file."""
+    out = tmp_path_factory.mktemp("trained")
+    assert main(["train", "--out", str(out), "--name", "run", *TINY]) == 0
+    return out / "run"
 
 
-def test_export_to_a_file(tmp_path, capsys):
-    run = finished_run(tmp_path, capsys)
+@pytest.fixture
+def finished_run(tmp_path, trained):
+    """A copy of the finished run, this test's to damage."""
+    return Path(shutil.copytree(trained, tmp_path / "run"))
+
+
+def test_export_to_a_file(tmp_path, capsys, finished_run):
+    run = finished_run
     (tmp_path / "f").write_text("mine")
     code, _, err = cli(capsys, "export", run, tmp_path / "f")
     assert code == 2 and "is a file" in err, err
     assert (tmp_path / "f").read_text() == "mine"
+
+
+# 4 ------------------------------------------------------------------ a damaged run folder
+def _edit_config(run, edit):
+    config = json.loads((run / "config.json").read_text())
+    edit(config)
+    (run / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda run: (run / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage"),
+     "model.safetensors: not a readable safetensors file"),
+    (lambda run: _edit_config(run, lambda c: c.pop("model")), "config.json has no 'model' settings"),
+    (lambda run: _edit_config(run, lambda c: c["model"].update(n_expert=8)), "unknown model settings ['n_expert']"),
+    (lambda run: _edit_config(run, lambda c: c["model"].update(n_embd=4096, n_layer=5000, n_head=32)),
+     "the weights do not fit the model's config: missing ['h.1."),  # before 5000 layers are allocated
+    (lambda run: _edit_config(run, lambda c: c["model"].update(n_embd=32)),
+     "wte.weight has shape (320, 16) in the file; the config needs (320, 32)"),
+    (lambda run: (run / "config.json").write_bytes(b"\xff"), "config.json: not UTF-8 JSON"),
+])
+@pytest.mark.parametrize("command", ["sample", "export", "init-from"])
+def test_a_damaged_run_folder_is_an_error_naming_the_damage(tmp_path, capsys, finished_run, damage, message,
+                                                             command):
+    run = finished_run
+    damage(run)
+    argv = {"sample": ["sample", run, "--tokens", "3"], "export": ["export", run, tmp_path / "hf"],
+            "init-from": ["train", "--init-from", run, "--out", tmp_path / "r2", *TINY[:-9]]}[command]
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("tie", [True, False])
+def test_parameter_shapes_are_the_models(bias, tie):
+    from kiln.nn import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=77, block_size=9, n_layer=3, n_head=2, n_embd=6, bias=bias, tie_weights=tie)
+    assert cfg.parameter_shapes() == {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}

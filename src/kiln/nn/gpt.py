@@ -44,6 +44,37 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
+    @classmethod
+    def from_dict(cls, settings: dict) -> "GPTConfig":
+        """A config from stored settings (a run's config.json); an unknown key is a ConfigError."""
+        _check_names(settings)
+        return cls(**settings)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of GPT(self)'s parameters, without allocating them: weights on disk are
+        checked against it before a model of this config is built."""
+        n = self.n_embd
+        shapes = {"wte.weight": (self.vocab_size, n), "wpe.weight": (self.block_size, n)}
+        linears = (("attn.c_attn", 3 * n, n), ("attn.c_proj", n, n), ("mlp.c_fc", 4 * n, n), ("mlp.c_proj", n, 4 * n))
+        for i in range(self.n_layer):
+            for ln in ("ln_1", "ln_2"):
+                shapes[f"h.{i}.{ln}.weight"] = (n,)
+                shapes.update({f"h.{i}.{ln}.bias": (n,)} if self.bias else {})
+            for name, out, inp in linears:
+                shapes[f"h.{i}.{name}.weight"] = (out, inp)
+                shapes.update({f"h.{i}.{name}.bias": (out,)} if self.bias else {})
+        shapes["ln_f.weight"] = (n,)
+        shapes.update({"ln_f.bias": (n,)} if self.bias else {})
+        shapes.update({} if self.tie_weights else {"lm_head.weight": (self.vocab_size, n)})
+        return shapes
+
+
+def _check_names(settings) -> None:
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    bad = [k for k in settings if k not in fields]
+    if bad:
+        raise ConfigError(f"unknown model settings {bad}; allowed: {sorted(fields)}")
+
 
 PRESETS = {
     # The CPU default: trains on the bundled corpus (bytes) in minutes on two cores.
@@ -59,10 +90,7 @@ def preset(name: str, **overrides) -> GPTConfig:
     """A copy of a preset's config, with fields overridden."""
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    bad = [k for k in overrides if k not in fields]
-    if bad:
-        raise ConfigError(f"unknown model settings {bad}; allowed: {sorted(fields)}")
+    _check_names(overrides)
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
