@@ -134,3 +134,13 @@ def test_parameter_shapes_are_the_models(bias, tie):
     from kiln.nn import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=77, block_size=9, n_layer=3, n_head=2, n_embd=6, bias=bias, tie_weights=tie)
     assert cfg.parameter_shapes() == {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
+
+
+# 5 ------------------------------------------------------------------ an HF config.json missing a size
+@pytest.mark.parametrize("key", ["vocab_size", "n_positions", "n_layer", "n_head", "n_embd"])
+def test_import_of_a_config_without_a_size(tmp_path, capsys, finished_run, key):
+    assert cli(capsys, "export", finished_run, tmp_path / "hf")[0] == 0
+    _edit_config(tmp_path / "hf", lambda c: c.pop(key))
+    code, _, err = cli(capsys, "import", tmp_path / "hf", "--out", tmp_path / "imported")
+    assert code == 2 and f"config.json has no {key!r}" in err, err
+    assert not (tmp_path / "imported").exists()

@@ -31,6 +31,7 @@ HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+_HF_SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all tanh-approximate GELU
 
 
@@ -56,6 +57,9 @@ def gpt_config_from_hf(hf: dict, vocab_size: int | None = None):
     from kiln.nn import GPTConfig
     if hf.get("model_type") != "gpt2":
         raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; kiln imports 'gpt2'")
+    for key in _HF_SIZES:
+        if key not in hf:
+            raise CheckpointError(f"config.json has no {key!r}; a GPT-2 config.json gives {', '.join(_HF_SIZES)}")
     act = hf.get("activation_function", "gelu_new")
     if act not in _GELU_TANH:
         raise CheckpointError(f"config.json has activation_function {act!r}; kiln's GELU is the tanh "
@@ -177,6 +181,9 @@ def import_hf(folder, pad_vocab_to: int | None = None, device: str = "cpu", dtyp
         raise CheckpointError(f"{folder} holds no {HF_CONFIG}: not a Hugging Face model folder") from None
     except ValueError as e:
         raise CheckpointError(f"{folder / HF_CONFIG} is not JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{folder / HF_CONFIG} holds a {type(hf).__name__}, not a JSON object")
+    gpt_config_from_hf(hf)  # a missing or unsupported setting is named before anything is read
     v = hf["vocab_size"]
     if pad_vocab_to:
         v = -(-v // pad_vocab_to) * pad_vocab_to
