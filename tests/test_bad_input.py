@@ -144,3 +144,50 @@ def test_import_of_a_config_without_a_size(tmp_path, capsys, finished_run, key):
     code, _, err = cli(capsys, "import", tmp_path / "hf", "--out", tmp_path / "imported")
     assert code == 2 and f"config.json has no {key!r}" in err, err
     assert not (tmp_path / "imported").exists()
+
+
+# 6 ------------------------------------------------------------------ a crafted checkpoint table
+def test_a_shape_whose_product_overflows_int64_is_a_corrupt_file_and_resume_falls_back(tmp_path):
+    import struct
+
+    from kiln.checkpoint import CheckpointFolder, format, save
+    rng = np.random.default_rng()
+    folder = CheckpointFolder(tmp_path)
+    folder.prepare()
+    states = {step: {"w": rng.standard_normal(4).astype(np.float32), "step": step} for step in (1, 2)}
+    for step, state in states.items():
+        folder.commit(save(folder.path_for(step), state))
+    raw = folder.path_for(2).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    table = json.loads(raw[8:8 + n])
+    meta = table.pop("__metadata__")
+    table["w"]["shape"] = [4, 2**62 + 1]  # 2**64 + 4 elements: 4 in int64 arithmetic
+    meta["kiln.checksum"] = format._ZERO_SHA
+    header = format._header(table, meta)
+    assert len(header) == n
+    meta["kiln.checksum"] = format._checksum(raw[:8], header, format._ZERO_SHA)  # a valid checksum
+    folder.path_for(2).write_bytes(raw[:8] + format._header(table, meta) + raw[8 + n:])
+    reports = []
+    state, path = folder.load_latest(report=reports.append)
+    assert path == folder.path_for(1) and np.array_equal(state["w"], states[1]["w"])
+    assert "ckpt-00000002.kiln" in reports[0] and "inconsistent offsets" in reports[0], reports
+
+
+def test_any_failure_to_load_one_checkpoint_falls_back(tmp_path, monkeypatch):
+    from kiln.checkpoint import CheckpointFolder, run_folder, save
+    folder = CheckpointFolder(tmp_path)
+    folder.prepare()
+    for step in (1, 2):
+        folder.commit(save(folder.path_for(step), {"w": np.random.default_rng().standard_normal(3), "step": step}))
+    real = run_folder.load
+
+    def load(path):
+        if path.name == "ckpt-00000002.kiln":
+            raise ValueError("a failure no check foresaw")
+        return real(path)
+
+    monkeypatch.setattr(run_folder, "load", load)
+    reports = []
+    state, path = folder.load_latest(report=reports.append)
+    assert path == folder.path_for(1) and state["step"] == 1
+    assert "a failure no check foresaw" in reports[0]

@@ -111,9 +111,10 @@ class CheckpointFolder:
         for path in self.candidates():
             try:
                 state = load(path)
-            except CheckpointError as e:
-                failures.append(f"{path.name}: {e}")
-                report(f"{e}; trying the previous checkpoint")
+            except Exception as e:  # any failure to load one file means that file is bad: fall back
+                why = str(e) if isinstance(e, CheckpointError) else f"{path} cannot be loaded: {e!r}"
+                failures.append(f"{path.name}: {why}")
+                report(f"{why}; trying the previous checkpoint")
                 continue
             if failures:
                 report(f"resuming from {path}, the newest good checkpoint")
