@@ -191,3 +191,14 @@ def test_any_failure_to_load_one_checkpoint_falls_back(tmp_path, monkeypatch):
     state, path = folder.load_latest(report=reports.append)
     assert path == folder.path_for(1) and state["step"] == 1
     assert "a failure no check foresaw" in reports[0]
+
+
+# 7 ------------------------------------------------------------------ sample's numbers
+@pytest.mark.parametrize("flag,value,message", [
+    ("--tokens", -5, "max_new_tokens must be an integer >= 0, got -5"),
+    ("--temperature", -1, "temperature must be >= 0 (0: always the likeliest token), got -1.0"),
+    ("--top-k", 0, "top_k must be an integer >= 1 or None, got 0"),
+])
+def test_sample_refuses_bad_numbers(capsys, trained, flag, value, message):
+    code, out, err = cli(capsys, "sample", trained, flag, value)
+    assert code == 2 and message in err and out == "", err

@@ -193,6 +193,12 @@ class GPT(Module):
         """Sample max_new_tokens after the prompt idx [B, T]; the context is cropped to block_size.
 
         vocab_limit keeps samples below the tokenizer's size (the model's vocabulary is padded)."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0 (0: always the likeliest token), got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ConfigError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
         rng = generator if generator is not None else np.random.default_rng(0)
         out = idx.numpy().astype(np.int64)
         was_training = self.training
