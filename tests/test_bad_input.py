@@ -202,3 +202,22 @@ def test_any_failure_to_load_one_checkpoint_falls_back(tmp_path, monkeypatch):
 def test_sample_refuses_bad_numbers(capsys, trained, flag, value, message):
     code, out, err = cli(capsys, "sample", trained, flag, value)
     assert code == 2 and message in err and out == "", err
+
+
+# 8 ------------------------------------------------------------------ export keeps the user's files
+def test_export_into_a_non_empty_folder_needs_overwrite(tmp_path, capsys, finished_run):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("mine")
+    code, _, err = cli(capsys, "export", finished_run, out)
+    assert code == 2 and "is not empty" in err and "--overwrite" in err, err
+    assert (out / "config.json").read_text() == "mine" and not (out / "model.safetensors").exists()
+    code, _, err = cli(capsys, "export", finished_run, out, "--overwrite")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def test_export_with_a_bad_vocab_size_writes_nothing(tmp_path, capsys, finished_run):
+    code, _, err = cli(capsys, "export", finished_run, tmp_path / "hf", "--vocab-size", 100000)
+    assert code == 2 and "export vocab_size 100000" in err, err
+    assert not (tmp_path / "hf").exists()

@@ -85,7 +85,8 @@ def _export(args) -> int:
     if args.format != "hf":
         raise ConfigError(f"--format {args.format!r}: allowed: hf")
     model, _, _ = load_run(args.run_dir)
-    out = export_hf(model, args.out, vocab_size=args.vocab_size, tokenizer_dir=args.run_dir)
+    out = export_hf(model, args.out, vocab_size=args.vocab_size, tokenizer_dir=args.run_dir,
+                    overwrite=args.overwrite)
     print(f"kiln: wrote a Hugging Face GPT2LMHeadModel to {out} (vocab_size "
           f"{args.vocab_size or model.config.vocab_size})")
     return 0
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="the folder to write")
     e.add_argument("--vocab-size", type=int, default=None,
                    help="slice the (padded) vocabulary to N rows, e.g. 50257 (default: keep it)")
+    e.add_argument("--overwrite", action="store_true", help="write into a folder that holds files already")
     e.set_defaults(run=_export)
 
     i = sub.add_parser("import", help="make a kiln run folder from a Hugging Face GPT-2 folder")

@@ -107,11 +107,15 @@ def to_hf_tensors(model, vocab_size: int | None = None, dtype: str | None = None
 
 
 def export_hf(model, out_dir, vocab_size: int | None = None, dtype: str | None = None,
-              tokenizer_dir=None) -> Path:
+              tokenizer_dir=None, overwrite: bool = False) -> Path:
     """Write `model` as a GPT2LMHeadModel folder: model.safetensors (HF names, Conv1D layout) and
-    config.json; with tokenizer_dir, its tokenizer file is copied too. Returns the folder."""
+    config.json; with tokenizer_dir, its tokenizer file is copied too. Returns the folder. A folder
+    that holds anything already is refused unless `overwrite` (its files of the same names are replaced)."""
     from safetensors.numpy import save as st_save
     out = output_folder(out_dir, "the export folder")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise CheckpointError(f"export folder {str(out)!r} exists and is not empty; choose a new one or "
+                              "pass overwrite=True (--overwrite) to replace its config.json and weights")
     tensors = to_hf_tensors(model, vocab_size, dtype)
     out.mkdir(parents=True, exist_ok=True)
     dt = str(tensors["transformer.wte.weight"].dtype)
