@@ -221,3 +221,45 @@ def test_export_with_a_bad_vocab_size_writes_nothing(tmp_path, capsys, finished_
     code, _, err = cli(capsys, "export", finished_run, tmp_path / "hf", "--vocab-size", 100000)
     assert code == 2 and "export vocab_size 100000" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+# 9 ------------------------------------------------------------------ prepare: all or nothing
+def test_a_failed_prepare_leaves_no_folder(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("fine text\n" * 3000)
+    (tmp_path / "b.txt").write_bytes(b"x" * 20_000 + b"\xff rest\n")
+    code, _, err = cli(capsys, "prepare", tmp_path / "a.txt", tmp_path / "b.txt", "--out", tmp_path / "data",
+                       "--tokenizer", "bytes", "--val-fraction", 0, "--shard-tokens", 1000, "--workers", 1,
+                       "--no-progress")
+    assert code == 2 and "b.txt: not UTF-8 text (invalid start byte at byte 20000)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
+
+
+def test_prepare_of_a_source_tree_skips_caches_and_binaries(tmp_path, capsys):
+    tree = tmp_path / "pkg"
+    for rel, content in [("pkg/__init__.py", b""), ("pkg/mod.py", b"def f():\n    return 1\n" * 500),
+                         ("pkg/__pycache__/mod.cpython-311.pyc", b"\xa7\r\r\n\0\0\xff"),
+                         (".git/objects/ab", b"x\x9c\xff"), ("logo.png", b"\x89PNG\r\n\x1a\n\0\0\xff"),
+                         ("README.md", b"# pkg\n" * 300)]:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_bytes(content)
+    code, out, err = cli(capsys, "prepare", tree, "--out", tmp_path / "data", "--tokenizer", "bytes",
+                         "--val-fraction", 0, "--workers", 1, "--no-progress")
+    assert code == 0, err
+    assert "skipped 2 hidden or cache folders, 1 binary files" in out, out
+    from kiln.data.shards import open_shard
+    text = bytes(int(t) for t in open_shard(tmp_path / "data" / "train_000000.bin") if t < 256)
+    assert text == b"# pkg\n" * 300 + b"def f():\n    return 1\n" * 500  # README.md, then pkg/mod.py
+    code, out, err = cli(capsys, "prepare", tree, "--out", tmp_path / "py", "--tokenizer", "bytes",
+                         "--val-fraction", 0, "--workers", 1, "--no-progress", "--glob", "*.py")
+    assert code == 0, err
+    text = bytes(int(t) for t in open_shard(tmp_path / "py" / "train_000000.bin") if t < 256)
+    assert text == b"def f():\n    return 1\n" * 500
+
+
+def test_train_refuses_shards_without_meta_json_unless_told_the_vocabulary(tmp_path, capsys):
+    data = prepared(tmp_path)
+    (data / "meta.json").unlink()  # as an interrupted prepare of an older kiln left it
+    code, _, err = cli(capsys, "train", "--data", data, "--out", tmp_path / "runs", *TINY)
+    assert code == 2 and "has no meta.json" in err and "--vocab-size" in err, err
+    code, _, err = cli(capsys, "train", "--data", data, "--out", tmp_path / "runs", "--vocab-size", 257, *TINY)
+    assert code == 0, err

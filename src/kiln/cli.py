@@ -117,6 +117,9 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoding processes (default: one per core)")
     parser.add_argument("--text-field", default="text", help="the JSONL field that holds the text (default: text)")
     parser.add_argument("--overwrite", action="store_true", help="replace data an earlier run left in --out")
+    parser.add_argument("--glob", metavar="PATTERN",
+                        help="take only the files of input folders that match, e.g. '*.py' (hidden and cache "
+                             "folders and binary files are always skipped)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -125,9 +128,12 @@ def _prepare(args: argparse.Namespace) -> int:
     from kiln.data.prepare import SPLITS, prepare
     done = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                    val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, workers=args.workers,
-                   text_field=args.text_field, progress=not args.no_progress, overwrite=args.overwrite)
+                   text_field=args.text_field, progress=not args.no_progress, overwrite=args.overwrite,
+                   pattern=args.glob)
     print(f"{done.out_dir}: {done.documents} documents, tokenizer {done.tokenizer}, "
           f"vocab {done.vocab_size} (model: {done.padded_vocab_size})")
+    if any(done.skipped.values()):
+        print("  skipped " + ", ".join(f"{n} {what}" for what, n in done.skipped.items() if n))
     for split in SPLITS:
         print(f"  {split}: {done.tokens[split]:,} tokens in {len(done.shards[split])} shards")
     return 0
@@ -182,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a GPT (default: the tiny preset on the bundled corpus)")
     t.add_argument("--config", dest="model", help="model preset: tiny, gpt2-124m, gpt2-2.4b")
     t.add_argument("--data", help="a folder made by `kiln prepare` (default: the bundled corpus)")
+    t.add_argument("--vocab-size", type=int, help="the data's vocabulary (token ids 0..N-1), for shards "
+                   "without kiln's meta.json, e.g. llm.c's: 50257 (default: meta.json's)")
     t.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--precision", help="fp32 (default), tf32 (GPU), bf16 or fp64")
     t.add_argument("--steps", dest="max_steps", type=int)

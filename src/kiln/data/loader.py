@@ -81,7 +81,7 @@ class ShardLoader:
 
     def __init__(self, path, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, device="cpu", shuffle: bool = False,
-                 pinned: bool = True):
+                 pinned: bool = True, vocab_size: int | None = None):
         self.device = parse_device(device)  # a DeviceError names a bad device
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -91,7 +91,7 @@ class ShardLoader:
         self.paths, meta = _shard_paths(path, split)
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.seed, self.shuffle = seed, shuffle
-        self.vocab_size: int | None = meta.get("vocab_size")
+        self.vocab_size: int | None = vocab_size or meta.get("vocab_size")  # every token id is below it
         self._step = batch_size * seq_len * world_size
         headers = [read_header(p) for p in self.paths]
         self._sizes = [h.num_tokens for h in headers]
