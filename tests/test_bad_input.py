@@ -263,3 +263,45 @@ def test_train_refuses_shards_without_meta_json_unless_told_the_vocabulary(tmp_p
     assert code == 2 and "has no meta.json" in err and "--vocab-size" in err, err
     code, _, err = cli(capsys, "train", "--data", data, "--out", tmp_path / "runs", "--vocab-size", 257, *TINY)
     assert code == 0, err
+
+
+# 10 ----------------------------------------------------------------- bad token ids, found at the start
+def test_a_bad_token_in_a_later_shard_is_found_when_the_data_is_opened(tmp_path, capsys):
+    from kiln.data.loader import ShardLoader
+    from kiln.data.prepare import prepare
+    from kiln.data.shards import HEADER_BYTES
+    (tmp_path / "t.txt").write_text("".join(f"line {i} of the text\n" for i in range(3000)))
+    prepare([tmp_path / "t.txt"], tmp_path / "data", tokenizer="bytes", val_fraction=0, shard_tokens=20_000,
+            progress=False)
+    second = tmp_path / "data" / "train_000001.bin"
+    raw = bytearray(second.read_bytes())
+    at = int(np.random.default_rng().integers(0, 1000))
+    raw[HEADER_BYTES + 2 * at:HEADER_BYTES + 2 * at + 2] = (300).to_bytes(2, "little")
+    second.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match=f"train_000001.bin: token 300 at position {at} is outside the "
+                                        "vocabulary 0..256"):
+        ShardLoader(tmp_path / "data", "train", batch_size=2, seq_len=8)
+    code, _, err = cli(capsys, "train", "--data", tmp_path / "data", "--out", tmp_path / "runs", *TINY)
+    assert code == 2 and "train_000001.bin: token 300" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_data_error_mid_run_saves_a_checkpoint_first(tmp_path, monkeypatch):
+    from kiln.errors import DataError
+    from kiln.train import TrainConfig, Trainer
+    cfg = TrainConfig(model_overrides={"n_layer": 1, "n_embd": 16, "n_head": 2}, batch_size=2, seq_len=16,
+                      device="cpu", progress=False, max_steps=6, eval_interval=6, eval_iters=1, sample_tokens=0,
+                      out_dir=str(tmp_path), run_name="r")
+    trainer = Trainer(cfg)
+    real = trainer.train_loader.next_batch
+
+    def next_batch():
+        if trainer.step == 3:
+            raise DataError("shard.bin: changed while training")
+        return real()
+
+    monkeypatch.setattr(trainer.train_loader, "next_batch", next_batch)
+    with pytest.raises(DataError, match="changed while training.*saved step 3.*--resume"):
+        trainer.fit()
+    resumed = Trainer.from_checkpoint(tmp_path / "r")
+    assert resumed.step == 3 and resumed.fit()["steps"] == 6

@@ -100,7 +100,9 @@ class ShardLoader:
             if n < self._step + 1:
                 raise DataError(f"{p}: holds {n} tokens, fewer than the {self._step + 1} of one step "
                                 f"(world_size {world_size} x batch_size {batch_size} x seq_len {seq_len}, +1)")
-        self._checked: set[int] = set()
+        if self.vocab_size is not None:  # every shard, now: one pass over each memory map
+            for path in self.paths:
+                _check_tokens(path, self.vocab_size)
         self._staging = None        # CUDA: a kiln.data.staging engine
         self._ahead = None          # CUDA: (slot, position) of the batch staged ahead
         self._ahead_error = None    # CUDA: an error of the step past the staged batch, raised in turn
@@ -218,9 +220,12 @@ class ShardLoader:
         self._epoch, self._shard, self._pos = epoch, shard, pos
         index = self._order(epoch)[shard]
         self._tokens = open_shard(self.paths[index])
-        if self.vocab_size is not None and index not in self._checked:  # once per shard: a full scan
-            if int(self._tokens.max()) >= self.vocab_size:
-                at = int(np.argmax(self._tokens >= self.vocab_size))
-                raise DataError(f"{self.paths[index]}: token {int(self._tokens[at])} at position {at} is "
-                                f"outside the vocabulary 0..{self.vocab_size - 1}")
-            self._checked.add(index)
+
+
+def _check_tokens(path: Path, vocab_size: int) -> None:
+    """A DataError naming the first token of the shard at `path` that is not below vocab_size."""
+    tokens = open_shard(path)
+    if int(tokens.max()) >= vocab_size:
+        at = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token {int(tokens[at])} at position {at} is outside the vocabulary "
+                        f"0..{vocab_size - 1}")

@@ -244,10 +244,18 @@ class Trainer:
                 if saver is not None:
                     saver.check()  # a failed background save is reported here, at the next step
                 t0, before = time.perf_counter(), self.step
-                if c.profile and self.step == min(2, c.max_steps - 1):
-                    row = self._profiled_steps(min(4, c.max_steps - self.step), run)
-                else:
-                    row = self.train_step()
+                try:
+                    if c.profile and self.step == min(2, c.max_steps - 1):
+                        row = self._profiled_steps(min(4, c.max_steps - self.step), run)
+                    else:
+                        row = self.train_step()
+                except DataError as e:  # a shard changed under the run: keep the steps done so far
+                    if saver is not None:
+                        saver.wait()
+                    if saved != self.step:
+                        self.save_checkpoint(checkpoints)
+                    raise DataError(f"{e}; saved step {self.step}: fix the data and continue with "
+                                    f"`kiln train --resume {run}`") from None
                 dt = (time.perf_counter() - t0) / (self.step - before)
                 if self.step == 1:
                     self.device.backend.end_warmup()  # the paper's §5 allocator: learn, then flush step 0
