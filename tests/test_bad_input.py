@@ -305,3 +305,23 @@ def test_a_data_error_mid_run_saves_a_checkpoint_first(tmp_path, monkeypatch):
         trainer.fit()
     resumed = Trainer.from_checkpoint(tmp_path / "r")
     assert resumed.step == 3 and resumed.fit()["steps"] == 6
+
+
+# 11 ----------------------------------------------------------------- a second Ctrl-C says what was lost
+@pytest.mark.parametrize("checkpoint_interval,message", [
+    (0, "nothing was saved: 3 steps lost"),
+    (2, "the newest checkpoint is step 2 (1 step lost)"),
+])
+def test_a_second_ctrl_c_says_what_was_saved(tmp_path, capsys, monkeypatch, checkpoint_interval, message):
+    from kiln.train import Trainer
+    real = Trainer.train_step
+
+    def train_step(self, eager=False):
+        if self.step == 3:
+            raise KeyboardInterrupt  # what the second SIGINT raises inside the step
+        return real(self, eager)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    code, _, err = cli(capsys, "train", "--out", tmp_path, "--name", "r", "--sync-checkpoint",
+                       "--checkpoint-interval", checkpoint_interval, *TINY[:3], 10, *TINY[4:])
+    assert code == 130 and "interrupted at step 3" in err and message in err, err

@@ -52,7 +52,11 @@ def _train(args) -> int:
     print(f"kiln: training {cfg.model} ({trainer.model.num_parameters() / 1e6:.2f}M parameters) on "
           f"{trainer.device}, data {trainer.data_dir}, {cfg.max_steps} steps of "
           f"{cfg.batch_size}x{trainer.seq_len} tokens x {trainer.grad_accum} micro-steps{ranks}", flush=True)
-    s = trainer.fit()
+    try:
+        s = trainer.fit()
+    except KeyboardInterrupt:  # a second Ctrl-C: the step in flight was not saved
+        print(f"kiln: interrupted at step {trainer.step}; {_what_was_saved(trainer)}", file=sys.stderr)
+        return 130
     if s.get("interrupted"):
         saved = f"saved {s['checkpoint']}; continue with `kiln train --resume {s['run_dir']}`" \
             if s["checkpoint"] else "no step had finished, nothing to save"
@@ -63,6 +67,17 @@ def _train(args) -> int:
     print(f"throughput {s['tokens_per_s']:.0f} tokens/s, {s['elapsed_s']:.1f} s; run folder {s['run_dir']}")
     print("sample:\n" + s["sample"])
     return 0
+
+
+def _what_was_saved(trainer) -> str:
+    """Where an interrupted run can continue from: its newest checkpoint on disk, or nothing."""
+    from kiln.checkpoint import CheckpointFolder
+    pointer = CheckpointFolder(trainer.run_dir / "checkpoints").pointer() if trainer.run_dir else None
+    if not pointer:
+        return f"nothing was saved: {trainer.step} step{'s' * (trainer.step != 1)} lost"
+    lost = trainer.step - pointer["step"]
+    return (f"the newest checkpoint is step {pointer['step']} ({lost} step{'s' * (lost != 1)} lost); "
+            f"continue with `kiln train --resume {trainer.run_dir}`")
 
 
 def _sample(args) -> int:
