@@ -325,3 +325,14 @@ def test_a_second_ctrl_c_says_what_was_saved(tmp_path, capsys, monkeypatch, chec
     code, _, err = cli(capsys, "train", "--out", tmp_path, "--name", "r", "--sync-checkpoint",
                        "--checkpoint-interval", checkpoint_interval, *TINY[:3], 10, *TINY[4:])
     assert code == 130 and "interrupted at step 3" in err and message in err, err
+
+
+# 12 ----------------------------------------------------------------- temporary files of crashed saves
+def test_prepare_removes_every_temporary_file_a_crashed_save_left(tmp_path):
+    from kiln.checkpoint import CheckpointFolder
+    folder = CheckpointFolder(tmp_path)
+    left = [".latest.json.tmp-4242", ".ckpt-00000007.kiln.tmp-4242"]
+    for name in left + ["ckpt-00000006.kiln", "latest.json"]:
+        (tmp_path / name).write_bytes(b"x")
+    folder.prepare()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000006.kiln", "latest.json"]

@@ -58,7 +58,7 @@ class CheckpointFolder:
     def prepare(self) -> None:
         """Create the folder and remove temporary files that a crashed save left behind."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        for tmp in self.folder.glob(".ckpt-*.tmp-*"):
+        for tmp in self.folder.glob(".*.tmp-*"):  # atomic_file's: checkpoints and latest.json
             tmp.unlink(missing_ok=True)
 
     def checkpoints(self) -> list[tuple[int, Path]]:
