@@ -336,3 +336,28 @@ def test_prepare_removes_every_temporary_file_a_crashed_save_left(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     folder.prepare()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000006.kiln", "latest.json"]
+
+
+# 13 ----------------------------------------------------------------- named files stay in their folder
+@pytest.mark.parametrize("name", ["../outside/train_000000.bin", "/etc/passwd", "sub/../../x.bin"])
+def test_meta_json_cannot_name_a_shard_outside_its_folder(tmp_path, capsys, name):
+    data = prepared(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "train_000000.bin").write_bytes((data / "train_000000.bin").read_bytes())
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"]["train"]["shards"] = [name]
+    (data / "meta.json").write_text(json.dumps(meta))
+    code, _, err = cli(capsys, "train", "--data", data, "--out", tmp_path / "runs", *TINY)
+    assert code == 2 and f"names {name!r}" in err and "inside" in err, err
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/model.safetensors", "/etc/passwd"])
+def test_an_hf_index_cannot_name_weights_outside_its_folder(tmp_path, capsys, finished_run, name):
+    assert cli(capsys, "export", finished_run, tmp_path / "elsewhere")[0] == 0
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text((tmp_path / "elsewhere" / "config.json").read_text())
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"transformer.wte.weight": name}}))
+    code, _, err = cli(capsys, "import", hf, "--out", tmp_path / "imported")
+    assert code == 2 and f"names {name!r}" in err and "inside" in err, err

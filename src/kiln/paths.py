@@ -3,22 +3,20 @@ inside that folder, and an output folder must be a folder (or creatable as one).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kiln.errors import ConfigError, DataError
 
 
 def file_inside(folder, name, what: str, error: type = DataError) -> Path:
-    """`folder / name`, refused (`error`) when `name` is not a plain relative path that stays inside
-    `folder` after symlinks and `..` are resolved: an index (meta.json, an HF weight_map) names only
-    its own files."""
-    folder = Path(folder)
-    if not isinstance(name, str) or not name or Path(name).is_absolute():
-        raise error(f"{what} names {name!r}: allowed is a file name inside {folder}")
-    path = folder / name
-    if not path.resolve().is_relative_to(folder.resolve()):
-        raise error(f"{what} names {name!r}, which is outside {folder}: allowed are files inside it")
-    return path
+    """`folder / name`, refused (`error`) unless `name` is a relative path that stays inside `folder`
+    (no absolute path, no `..` out of it): an index (meta.json, an HF weight_map) names only its
+    own files. Symbolic links the user put in the folder are followed as they are."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) \
+            or os.path.normpath(name).split(os.sep)[0] in ("..", "."):
+        raise error(f"{what} names {name!r}: allowed are only files inside {folder}")
+    return Path(folder) / os.path.normpath(name)
 
 
 def output_folder(path, what: str) -> Path:

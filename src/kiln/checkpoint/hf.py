@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.checkpoint.format import CheckpointError, atomic_file
-from kiln.paths import output_folder
+from kiln.paths import file_inside, output_folder
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -142,8 +142,13 @@ def read_hf_tensors(folder) -> dict:
     if (folder / HF_WEIGHTS).is_file():
         files = [folder / HF_WEIGHTS]
     elif (folder / HF_INDEX).is_file():
-        index = json.loads((folder / HF_INDEX).read_text())
-        files = [folder / f for f in sorted(set(index["weight_map"].values()))]
+        try:
+            weight_map = json.loads((folder / HF_INDEX).read_bytes().decode("utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{folder / HF_INDEX}: not an index of safetensors files "
+                                  f'({{"weight_map": {{tensor: file}}}}): {e!r}') from None
+        files = [file_inside(folder, name, str(folder / HF_INDEX), CheckpointError) for name in names]
     else:
         other = [p.name for p in folder.glob("*.bin")] if folder.is_dir() else []
         raise CheckpointError(f"{folder} holds no {HF_WEIGHTS} (or {HF_INDEX})"

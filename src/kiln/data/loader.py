@@ -10,6 +10,7 @@ from kiln.backend import device as parse_device
 from kiln.data.shards import META_FILE, open_shard, read_header
 from kiln.data.staging import open_staging, split_window
 from kiln.errors import ConfigError, DataError
+from kiln.paths import file_inside
 
 
 def read_meta(folder) -> dict | None:
@@ -51,7 +52,7 @@ def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
             if not names:
                 raise DataError(f"{folder}: {META_FILE} lists no {split!r} shards; it has "
                                 f"{sorted(meta.get('splits', {}))}")
-            return sorted(folder / name for name in names), meta
+            return sorted(file_inside(folder, name, f"{folder / META_FILE}") for name in names), meta
         paths = sorted(folder.glob(f"*{split}*.bin"))  # llm.c names: fineweb_train_000001.bin
     else:
         paths = [Path(p) for p in sorted(glob.glob(str(path)))]
