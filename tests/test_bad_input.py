@@ -361,3 +361,15 @@ def test_an_hf_index_cannot_name_weights_outside_its_folder(tmp_path, capsys, fi
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"transformer.wte.weight": name}}))
     code, _, err = cli(capsys, "import", hf, "--out", tmp_path / "imported")
     assert code == 2 and f"names {name!r}" in err and "inside" in err, err
+
+
+# 14 ----------------------------------------------------------------- the final weights carry a digest
+@pytest.mark.parametrize("command", ["sample", "export"])
+def test_a_flipped_byte_in_model_safetensors_is_found(tmp_path, capsys, finished_run, command):
+    raw = bytearray((finished_run / "model.safetensors").read_bytes())
+    at = len(raw) - 1 - int(np.random.default_rng().integers(0, 4000))  # inside some weight
+    raw[at] ^= 0x01
+    (finished_run / "model.safetensors").write_bytes(bytes(raw))
+    argv = ["sample", finished_run, "--tokens", 3] if command == "sample" else ["export", finished_run, tmp_path / "hf"]
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and "model.safetensors: checksum mismatch" in err, err
