@@ -373,3 +373,17 @@ def test_a_flipped_byte_in_model_safetensors_is_found(tmp_path, capsys, finished
     argv = ["sample", finished_run, "--tokens", 3] if command == "sample" else ["export", finished_run, tmp_path / "hf"]
     code, _, err = cli(capsys, *argv)
     assert code == 2 and "model.safetensors: checksum mismatch" in err, err
+
+
+# 15 ----------------------------------------------------------------- a run without a tokenizer
+def test_an_imported_run_without_a_tokenizer_exports_and_sample_says_why_not(tmp_path, capsys, finished_run):
+    assert cli(capsys, "export", finished_run, tmp_path / "hf")[0] == 0
+    for p in (tmp_path / "hf").glob("*tokenizer*"):
+        p.unlink()
+    assert cli(capsys, "import", tmp_path / "hf", "--out", tmp_path / "imported")[0] == 0
+    code, _, err = cli(capsys, "export", tmp_path / "imported", tmp_path / "hf2")
+    assert code == 0, err
+    a, b = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("hf", "hf2"))
+    assert a["n_embd"] == b["n_embd"] == 16 and a["vocab_size"] == b["vocab_size"]
+    code, _, err = cli(capsys, "sample", tmp_path / "imported")
+    assert code == 2 and "holds no tokenizer" in err and "tokenizer.json" in err, err

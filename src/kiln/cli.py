@@ -11,7 +11,7 @@ import dataclasses
 import os
 import sys
 
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError, DataError, KilnError
 
 
 def _parse_overrides(items) -> dict:
@@ -86,6 +86,9 @@ def _sample(args) -> int:
     import kiln
     from kiln.checkpoint.run_folder import load_run
     model, tok, _ = load_run(args.run_dir)
+    if tok is None:
+        raise DataError(f"{args.run_dir}: holds no tokenizer (it was imported from a folder without one), so "
+                        "prompts cannot become tokens; copy the model's tokenizer.json into it")
     ids = tok.encode(args.prompt) or [0]
     out = model.generate(kiln.tensor([ids]), args.tokens, temperature=args.temperature,
                          top_k=args.top_k, generator=np.random.default_rng(args.seed),

@@ -241,9 +241,9 @@ def load_pretrained(path) -> GPT:
 
 
 def load_run(run_dir) -> tuple[GPT, object, dict]:
-    """(model, tokenizer, config) of a finished run folder, on the CPU. The weights' shapes are checked
+    """(model, tokenizer or None, config) of a finished run folder, on the CPU. The weights' shapes are checked
     against config.json from the file's header before the model is built, and their digest after."""
-    from kiln.data.tokenizer import load_tokenizer
+    from kiln.data.tokenizer import BPE_FILE, BYTES_FILE, load_tokenizer
     run = Path(run_dir)
     checkpoints = run / CHECKPOINTS
     for name in (CONFIG, WEIGHTS):
@@ -262,7 +262,8 @@ def load_run(run_dir) -> tuple[GPT, object, dict]:
     model = GPT(model_config)
     model.to(dtype=next(iter(weights.values())).dtype)
     model.load_state_dict(weights)
-    return model, load_tokenizer(run), config
+    has_tokenizer = any((run / name).is_file() for name in (BPE_FILE, BYTES_FILE))
+    return model, load_tokenizer(run) if has_tokenizer else None, config  # None: imported without one
 
 
 def plot_losses(history, path: Path, entropy: float | None = None) -> None:
