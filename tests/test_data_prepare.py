@@ -145,7 +145,7 @@ def test_bad_inputs_raise_naming_file_and_fault(tmp_path):
     (tmp_path / "ok.txt").write_text("A small document.\n")
     cases = [
         (tmp_path / "nope.txt", "nope.txt: no such input file"),
-        (tmp_path / "empty.txt", "empty.txt: the input file is empty"),
+        (tmp_path / "empty.txt", "the inputs hold no text: .*empty.txt is empty"),
         (tmp_path / "empty_dir", "empty_dir: the input folder holds no files"),
         (tmp_path / "latin1.txt", "latin1.txt: not UTF-8 text"),
         (tmp_path / "nofield.jsonl", r"nofield.jsonl:2: no string field 'text' \(the record has \['content'\]\)"),

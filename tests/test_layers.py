@@ -10,7 +10,7 @@ import pytest
 import kiln
 
 LAYERS = [  # lowest first
-    ("errors", "dtypes"),
+    ("errors", "dtypes", "paths"),
     ("backend",),
     ("tensor", "autograd", "random"),
     ("ops",),

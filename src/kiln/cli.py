@@ -11,7 +11,7 @@ import dataclasses
 import os
 import sys
 
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError, DataError, KilnError
 
 
 def _parse_overrides(items) -> dict:
@@ -52,7 +52,11 @@ def _train(args) -> int:
     print(f"kiln: training {cfg.model} ({trainer.model.num_parameters() / 1e6:.2f}M parameters) on "
           f"{trainer.device}, data {trainer.data_dir}, {cfg.max_steps} steps of "
           f"{cfg.batch_size}x{trainer.seq_len} tokens x {trainer.grad_accum} micro-steps{ranks}", flush=True)
-    s = trainer.fit()
+    try:
+        s = trainer.fit()
+    except KeyboardInterrupt:  # a second Ctrl-C: the step in flight was not saved
+        print(f"kiln: interrupted at step {trainer.step}; {_what_was_saved(trainer)}", file=sys.stderr)
+        return 130
     if s.get("interrupted"):
         saved = f"saved {s['checkpoint']}; continue with `kiln train --resume {s['run_dir']}`" \
             if s["checkpoint"] else "no step had finished, nothing to save"
@@ -65,12 +69,26 @@ def _train(args) -> int:
     return 0
 
 
+def _what_was_saved(trainer) -> str:
+    """Where an interrupted run can continue from: its newest checkpoint on disk, or nothing."""
+    from kiln.checkpoint import CheckpointFolder
+    pointer = CheckpointFolder(trainer.run_dir / "checkpoints").pointer() if trainer.run_dir else None
+    if not pointer:
+        return f"nothing was saved: {trainer.step} step{'s' * (trainer.step != 1)} lost"
+    lost = trainer.step - pointer["step"]
+    return (f"the newest checkpoint is step {pointer['step']} ({lost} step{'s' * (lost != 1)} lost); "
+            f"continue with `kiln train --resume {trainer.run_dir}`")
+
+
 def _sample(args) -> int:
     import numpy as np
 
     import kiln
     from kiln.checkpoint.run_folder import load_run
     model, tok, _ = load_run(args.run_dir)
+    if tok is None:
+        raise DataError(f"{args.run_dir}: holds no tokenizer (it was imported from a folder without one), so "
+                        "prompts cannot become tokens; copy the model's tokenizer.json into it")
     ids = tok.encode(args.prompt) or [0]
     out = model.generate(kiln.tensor([ids]), args.tokens, temperature=args.temperature,
                          top_k=args.top_k, generator=np.random.default_rng(args.seed),
@@ -85,7 +103,8 @@ def _export(args) -> int:
     if args.format != "hf":
         raise ConfigError(f"--format {args.format!r}: allowed: hf")
     model, _, _ = load_run(args.run_dir)
-    out = export_hf(model, args.out, vocab_size=args.vocab_size, tokenizer_dir=args.run_dir)
+    out = export_hf(model, args.out, vocab_size=args.vocab_size, tokenizer_dir=args.run_dir,
+                    overwrite=args.overwrite)
     print(f"kiln: wrote a Hugging Face GPT2LMHeadModel to {out} (vocab_size "
           f"{args.vocab_size or model.config.vocab_size})")
     return 0
@@ -116,6 +135,9 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoding processes (default: one per core)")
     parser.add_argument("--text-field", default="text", help="the JSONL field that holds the text (default: text)")
     parser.add_argument("--overwrite", action="store_true", help="replace data an earlier run left in --out")
+    parser.add_argument("--glob", metavar="PATTERN",
+                        help="take only the files of input folders that match, e.g. '*.py' (hidden and cache "
+                             "folders and binary files are always skipped)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -124,9 +146,12 @@ def _prepare(args: argparse.Namespace) -> int:
     from kiln.data.prepare import SPLITS, prepare
     done = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                    val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, workers=args.workers,
-                   text_field=args.text_field, progress=not args.no_progress, overwrite=args.overwrite)
+                   text_field=args.text_field, progress=not args.no_progress, overwrite=args.overwrite,
+                   pattern=args.glob)
     print(f"{done.out_dir}: {done.documents} documents, tokenizer {done.tokenizer}, "
           f"vocab {done.vocab_size} (model: {done.padded_vocab_size})")
+    if any(done.skipped.values()):
+        print("  skipped " + ", ".join(f"{n} {what}" for what, n in done.skipped.items() if n))
     for split in SPLITS:
         print(f"  {split}: {done.tokens[split]:,} tokens in {len(done.shards[split])} shards")
     return 0
@@ -181,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a GPT (default: the tiny preset on the bundled corpus)")
     t.add_argument("--config", dest="model", help="model preset: tiny, gpt2-124m, gpt2-2.4b")
     t.add_argument("--data", help="a folder made by `kiln prepare` (default: the bundled corpus)")
+    t.add_argument("--vocab-size", type=int, help="the data's vocabulary (token ids 0..N-1), for shards "
+                   "without kiln's meta.json, e.g. llm.c's: 50257 (default: meta.json's)")
     t.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--precision", help="fp32 (default), tf32 (GPU), bf16 or fp64")
     t.add_argument("--steps", dest="max_steps", type=int)
@@ -261,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="the folder to write")
     e.add_argument("--vocab-size", type=int, default=None,
                    help="slice the (padded) vocabulary to N rows, e.g. 50257 (default: keep it)")
+    e.add_argument("--overwrite", action="store_true", help="write into a folder that holds files already")
     e.set_defaults(run=_export)
 
     i = sub.add_parser("import", help="make a kiln run folder from a Hugging Face GPT-2 folder")

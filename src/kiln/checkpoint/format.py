@@ -37,6 +37,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -394,7 +395,10 @@ def read_header(path) -> tuple[dict, dict, int]:
     try:
         for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             start, stop = entry["data_offsets"]
-            count = int(np.prod(entry["shape"], dtype=np.int64))
+            shape = entry["shape"]
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise _corrupt(path, f"tensor {key!r} has shape {shape!r}: allowed are integers >= 0")
+            count = math.prod(shape)  # Python ints: a crafted shape cannot wrap around to a small size
             if start != end or stop - start != count * _np_dtype(_DTYPES[entry["dtype"]]).itemsize:
                 raise _corrupt(path, f"tensor {key!r} has inconsistent offsets {entry['data_offsets']}")
             end = stop

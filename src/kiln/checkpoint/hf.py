@@ -25,11 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from kiln.checkpoint.format import CheckpointError, atomic_file
+from kiln.paths import file_inside, output_folder
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+_HF_SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all tanh-approximate GELU
 
 
@@ -55,6 +57,9 @@ def gpt_config_from_hf(hf: dict, vocab_size: int | None = None):
     from kiln.nn import GPTConfig
     if hf.get("model_type") != "gpt2":
         raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; kiln imports 'gpt2'")
+    for key in _HF_SIZES:
+        if key not in hf:
+            raise CheckpointError(f"config.json has no {key!r}; a GPT-2 config.json gives {', '.join(_HF_SIZES)}")
     act = hf.get("activation_function", "gelu_new")
     if act not in _GELU_TANH:
         raise CheckpointError(f"config.json has activation_function {act!r}; kiln's GELU is the tanh "
@@ -102,13 +107,17 @@ def to_hf_tensors(model, vocab_size: int | None = None, dtype: str | None = None
 
 
 def export_hf(model, out_dir, vocab_size: int | None = None, dtype: str | None = None,
-              tokenizer_dir=None) -> Path:
+              tokenizer_dir=None, overwrite: bool = False) -> Path:
     """Write `model` as a GPT2LMHeadModel folder: model.safetensors (HF names, Conv1D layout) and
-    config.json; with tokenizer_dir, its tokenizer file is copied too. Returns the folder."""
+    config.json; with tokenizer_dir, its tokenizer file is copied too. Returns the folder. A folder
+    that holds anything already is refused unless `overwrite` (its files of the same names are replaced)."""
     from safetensors.numpy import save as st_save
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(out_dir, "the export folder")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise CheckpointError(f"export folder {str(out)!r} exists and is not empty; choose a new one or "
+                              "pass overwrite=True (--overwrite) to replace its config.json and weights")
     tensors = to_hf_tensors(model, vocab_size, dtype)
+    out.mkdir(parents=True, exist_ok=True)
     dt = str(tensors["transformer.wte.weight"].dtype)
     with atomic_file(out / HF_WEIGHTS) as f:
         f.write(st_save(tensors, metadata={"format": "pt"}))  # transformers wants format "pt"
@@ -133,8 +142,13 @@ def read_hf_tensors(folder) -> dict:
     if (folder / HF_WEIGHTS).is_file():
         files = [folder / HF_WEIGHTS]
     elif (folder / HF_INDEX).is_file():
-        index = json.loads((folder / HF_INDEX).read_text())
-        files = [folder / f for f in sorted(set(index["weight_map"].values()))]
+        try:
+            weight_map = json.loads((folder / HF_INDEX).read_bytes().decode("utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{folder / HF_INDEX}: not an index of safetensors files "
+                                  f'({{"weight_map": {{tensor: file}}}}): {e!r}') from None
+        files = [file_inside(folder, name, str(folder / HF_INDEX), CheckpointError) for name in names]
     else:
         other = [p.name for p in folder.glob("*.bin")] if folder.is_dir() else []
         raise CheckpointError(f"{folder} holds no {HF_WEIGHTS} (or {HF_INDEX})"
@@ -176,6 +190,9 @@ def import_hf(folder, pad_vocab_to: int | None = None, device: str = "cpu", dtyp
         raise CheckpointError(f"{folder} holds no {HF_CONFIG}: not a Hugging Face model folder") from None
     except ValueError as e:
         raise CheckpointError(f"{folder / HF_CONFIG} is not JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{folder / HF_CONFIG} holds a {type(hf).__name__}, not a JSON object")
+    gpt_config_from_hf(hf)  # a missing or unsupported setting is named before anything is read
     v = hf["vocab_size"]
     if pad_vocab_to:
         v = -(-v // pad_vocab_to) * pad_vocab_to
@@ -200,7 +217,7 @@ def import_hf_run(hf_dir, run_dir, pad_vocab_to: int | None = None) -> Path:
     one) from an HF GPT-2 folder: `kiln sample` reads it, `kiln train --init-from` fine-tunes it."""
     from kiln.checkpoint.run_folder import WEIGHTS, save_weights, write_config
     model = import_hf(hf_dir, pad_vocab_to=pad_vocab_to)
-    run = Path(run_dir)
+    run = output_folder(run_dir, "--out")
     if run.exists() and any(run.iterdir()):
         raise CheckpointError(f"--out {run}: the folder exists and is not empty; choose a new one")
     run.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ once the new one is in place). `load_run` and `load_pretrained` read a run folde
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import sys
@@ -29,7 +30,7 @@ import numpy as np
 
 from kiln.checkpoint.format import SUFFIX, CheckpointError, atomic_file, load
 from kiln.checkpoint.sharded import read_full, verify_shards
-from kiln.errors import ConfigError, DataError
+from kiln.errors import DataError
 from kiln.nn import GPT, GPTConfig
 
 CONFIG = "config.json"
@@ -38,6 +39,7 @@ METRICS = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
 CHECKPOINTS = "checkpoints"
 POINTER = "latest.json"
+DIGEST_KEY = "kiln.sha256"  # model.safetensors' metadata: sha256 of its tensors
 _NAME = re.compile(r"^ckpt-(\d{8,})" + re.escape(SUFFIX) + "$")
 
 
@@ -57,7 +59,7 @@ class CheckpointFolder:
     def prepare(self) -> None:
         """Create the folder and remove temporary files that a crashed save left behind."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        for tmp in self.folder.glob(".ckpt-*.tmp-*"):
+        for tmp in self.folder.glob(".*.tmp-*"):  # atomic_file's: checkpoints and latest.json
             tmp.unlink(missing_ok=True)
 
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -114,9 +116,10 @@ class CheckpointFolder:
                 state = load(path)
                 if "sharded" in state:  # a manifest: good only with every shard it names
                     verify_shards(path, state)
-            except CheckpointError as e:
-                failures.append(f"{path.name}: {e}")
-                report(f"{e}; trying the previous checkpoint")
+            except Exception as e:  # any failure to load one file means that file is bad: fall back
+                why = str(e) if isinstance(e, CheckpointError) else f"{path} cannot be loaded: {e!r}"
+                failures.append(f"{path.name}: {why}")
+                report(f"{why}; trying the previous checkpoint")
                 continue
             if failures:
                 report(f"resuming from {path}, the newest good checkpoint")
@@ -149,10 +152,64 @@ def write_config(run: Path, model_config, train: dict | None, **extra) -> None:
 
 
 def save_weights(path: Path, model) -> None:
-    """The model's parameters as one safetensors file (what load_run and `kiln export` read)."""
+    """The model's parameters as one safetensors file (what load_run and `kiln export` read), with a
+    sha256 of them in its metadata that load_weights verifies, as checkpoints verify theirs."""
     from safetensors.numpy import save as st_save
+    tensors = {name: np.ascontiguousarray(p.numpy()) for name, p in model.named_parameters()}
     with atomic_file(Path(path)) as f:
-        f.write(st_save({name: np.ascontiguousarray(p.numpy()) for name, p in model.named_parameters()}))
+        f.write(st_save(tensors, metadata={"format": "pt", DIGEST_KEY: weights_digest(tensors)}))
+
+
+def weights_digest(tensors: dict) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape};".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+def weight_shapes(path) -> tuple[dict, dict]:
+    """({name: shape}, metadata) from a safetensors file's header; nothing else is read."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), "numpy") as f:
+            return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}, f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from None
+
+
+def check_shapes(found: dict, expected: dict, what: str) -> None:
+    """A CheckpointError naming the first missing, extra or misshapen tensor of `found`."""
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{what}: the weights do not fit the model's config: "
+                              f"missing {missing[:4]}, unexpected {extra[:4]}")
+    for name, shape in expected.items():
+        if tuple(found[name]) != tuple(shape):
+            raise CheckpointError(f"{what}: {name} has shape {tuple(found[name])} in the file; the config "
+                                  f"needs {tuple(shape)}")
+
+
+def load_weights(path, expected: dict | None = None) -> dict:
+    """{name: array} of a file written by `save_weights`, its shapes checked against `expected`
+    ({name: shape}) before it is read and its digest verified after (a file without a digest,
+    from an older kiln or another tool, is read as it is)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    shapes, meta = weight_shapes(path)
+    if expected is not None:
+        check_shapes(shapes, expected, str(path))
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from None
+    stored = meta.get(DIGEST_KEY)
+    if stored is not None and weights_digest(tensors) != stored:
+        raise CheckpointError(f"{path}: checksum mismatch: the weights changed after they were written "
+                              "(a damaged file)")
+    return tensors
 
 
 def logged_rows(metrics: Path, step: int) -> list[dict]:
@@ -164,41 +221,56 @@ def logged_rows(metrics: Path, step: int) -> list[dict]:
     return rows
 
 
+def read_run_config(folder) -> dict:
+    """The JSON object in a kiln run's (or an HF folder's) config.json; DataError naming what is wrong."""
+    file = Path(folder) / CONFIG
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise DataError(f"{folder}: not a kiln run or Hugging Face folder (cannot read {file}: "
+                        f"{e.strerror or e})") from None
+    except ValueError as e:
+        raise DataError(f"{file}: not UTF-8 JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{file} holds a {type(config).__name__}, not a JSON object")
+    return config
+
+
 def load_pretrained(path) -> GPT:
     """A GPT (on the CPU) from a kiln run folder or a Hugging Face GPT-2 folder, for init_from."""
     folder = Path(path)
-    try:
-        config = json.loads((folder / CONFIG).read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"init_from {str(folder)!r}: not a kiln run or Hugging Face folder "
-                          "(no readable config.json)") from None
-    if config.get("model_type") == "gpt2":
+    if read_run_config(folder).get("model_type") == "gpt2":
         from kiln.checkpoint.hf import import_hf
         return import_hf(folder)
     return load_run(folder)[0]
 
 
 def load_run(run_dir) -> tuple[GPT, object, dict]:
-    """(model, tokenizer, config) of a finished run folder, on the CPU."""
-    from safetensors.numpy import load_file
-
-    from kiln.data.tokenizer import load_tokenizer
+    """(model, tokenizer or None, config) of a finished run folder, on the CPU. The weights' shapes are checked
+    against config.json from the file's header before the model is built, and their digest after."""
+    from kiln.data.tokenizer import BPE_FILE, BYTES_FILE, load_tokenizer
     run = Path(run_dir)
     checkpoints = run / CHECKPOINTS
     for name in (CONFIG, WEIGHTS):
         if not (run / name).is_file() and not (name == WEIGHTS and checkpoints.is_dir()):
             raise DataError(f"{run} is not a finished kiln run: it has no {name}")
-    config = json.loads((run / CONFIG).read_text())
-    model = GPT(GPTConfig(**config["model"]))
+    config = read_run_config(run)
+    if not isinstance(config.get("model"), dict):
+        raise DataError(f"{run / CONFIG} has no 'model' settings: not a kiln run's config")
+    model_config = GPTConfig.from_dict(config["model"])
+    shapes = model_config.parameter_shapes()
     if (run / WEIGHTS).is_file():
-        weights = load_file(str(run / WEIGHTS))
+        weights = load_weights(run / WEIGHTS, shapes)
     else:  # an interrupted run: the weights of its newest good checkpoint
         state, path = CheckpointFolder(checkpoints).load_latest()
         # a data-parallel run's manifest (kiln.distributed.checkpoint) names shards that hold the weights
         weights = read_full(path) if "sharded" in state else state["model"]
+        check_shapes({n: a.shape for n, a in weights.items()}, shapes, str(checkpoints))
+    model = GPT(model_config)
     model.to(dtype=next(iter(weights.values())).dtype)
     model.load_state_dict(weights)
-    return model, load_tokenizer(run), config
+    has_tokenizer = any((run / name).is_file() for name in (BPE_FILE, BYTES_FILE))
+    return model, load_tokenizer(run) if has_tokenizer else None, config  # None: imported without one
 
 
 def plot_losses(history, path: Path, entropy: float | None = None) -> None:

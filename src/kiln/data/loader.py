@@ -10,13 +10,34 @@ from kiln.backend import device as parse_device
 from kiln.data.shards import META_FILE, open_shard, read_header
 from kiln.data.staging import open_staging, split_window
 from kiln.errors import ConfigError, DataError
+from kiln.paths import file_inside
 
 
-def _read_meta(file: Path) -> dict:
+def read_meta(folder) -> dict | None:
+    """A data folder's meta.json, checked (an object; `splits` maps each split to its list of shard
+    names; the vocabulary sizes are positive integers), or None when the folder has none."""
+    file = Path(folder) / META_FILE
+    if not file.is_file():
+        return None
     try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{file}: not a readable meta.json: {e}") from None
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise DataError(f"{file}: not a readable meta.json: {e.strerror or e}") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise DataError(f"{file}: not UTF-8 JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{file}: holds a {type(meta).__name__}, not an object as `kiln prepare` writes")
+    splits = meta.get("splits", {})
+    if not isinstance(splits, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("shards"), list)
+            and all(isinstance(n, str) for n in v["shards"]) for v in splits.values()):
+        raise DataError(f"{file}: 'splits' must map train and val to their shards "
+                        f'({{"train": {{"shards": ["train_000000.bin", ...]}}, ...}}), got {splits!r:.200}')
+    for key in ("vocab_size", "padded_vocab_size"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DataError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return meta
 
 
 def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
@@ -25,20 +46,19 @@ def _shard_paths(path, split: str) -> tuple[list[Path], dict]:
         paths = [Path(p) for p in path]
     elif Path(path).is_dir():
         folder = Path(path)
-        if (folder / META_FILE).is_file():
-            meta = _read_meta(folder / META_FILE)
+        meta = read_meta(folder)
+        if meta is not None:
             names = meta.get("splits", {}).get(split, {}).get("shards", [])
             if not names:
                 raise DataError(f"{folder}: {META_FILE} lists no {split!r} shards; it has "
                                 f"{sorted(meta.get('splits', {}))}")
-            return sorted(folder / name for name in names), meta
+            return sorted(file_inside(folder, name, f"{folder / META_FILE}") for name in names), meta
         paths = sorted(folder.glob(f"*{split}*.bin"))  # llm.c names: fineweb_train_000001.bin
     else:
         paths = [Path(p) for p in sorted(glob.glob(str(path)))]
     if not paths:
         raise DataError(f"{path}: no {split!r} shards found (a folder of *{split}*.bin, a glob or a list)")
-    meta_file = paths[0].parent / META_FILE
-    return sorted(paths), _read_meta(meta_file) if meta_file.is_file() else {}
+    return sorted(paths), read_meta(paths[0].parent) or {}
 
 
 class ShardLoader:
@@ -62,7 +82,7 @@ class ShardLoader:
 
     def __init__(self, path, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, device="cpu", shuffle: bool = False,
-                 pinned: bool = True):
+                 pinned: bool = True, vocab_size: int | None = None):
         self.device = parse_device(device)  # a DeviceError names a bad device
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -72,7 +92,7 @@ class ShardLoader:
         self.paths, meta = _shard_paths(path, split)
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.seed, self.shuffle = seed, shuffle
-        self.vocab_size: int | None = meta.get("vocab_size")
+        self.vocab_size: int | None = vocab_size or meta.get("vocab_size")  # every token id is below it
         self._step = batch_size * seq_len * world_size
         headers = [read_header(p) for p in self.paths]
         self._sizes = [h.num_tokens for h in headers]
@@ -81,7 +101,9 @@ class ShardLoader:
             if n < self._step + 1:
                 raise DataError(f"{p}: holds {n} tokens, fewer than the {self._step + 1} of one step "
                                 f"(world_size {world_size} x batch_size {batch_size} x seq_len {seq_len}, +1)")
-        self._checked: set[int] = set()
+        if self.vocab_size is not None:  # every shard, now: one pass over each memory map
+            for path in self.paths:
+                _check_tokens(path, self.vocab_size)
         self._staging = None        # CUDA: a kiln.data.staging engine
         self._ahead = None          # CUDA: (slot, position) of the batch staged ahead
         self._ahead_error = None    # CUDA: an error of the step past the staged batch, raised in turn
@@ -199,9 +221,12 @@ class ShardLoader:
         self._epoch, self._shard, self._pos = epoch, shard, pos
         index = self._order(epoch)[shard]
         self._tokens = open_shard(self.paths[index])
-        if self.vocab_size is not None and index not in self._checked:  # once per shard: a full scan
-            if int(self._tokens.max()) >= self.vocab_size:
-                at = int(np.argmax(self._tokens >= self.vocab_size))
-                raise DataError(f"{self.paths[index]}: token {int(self._tokens[at])} at position {at} is "
-                                f"outside the vocabulary 0..{self.vocab_size - 1}")
-            self._checked.add(index)
+
+
+def _check_tokens(path: Path, vocab_size: int) -> None:
+    """A DataError naming the first token of the shard at `path` that is not below vocab_size."""
+    tokens = open_shard(path)
+    if int(tokens.max()) >= vocab_size:
+        at = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token {int(tokens[at])} at position {at} is outside the vocabulary "
+                        f"0..{vocab_size - 1}")

@@ -6,9 +6,12 @@ encoded by parallel workers in order, and each piece goes to validation only whi
 validation share of tokens at or under `val_fraction`, so the output does not depend on `workers`.
 """
 
+import dataclasses
 import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from tqdm import tqdm
 from kiln.data.shards import MAX_TOKENS, META_FILE, token_dtype, write_shard
 from kiln.data.tokenizer import BPE_FILE, BYTES_FILE, BPETokenizer, ByteTokenizer, load_tokenizer, padded_vocab_size
 from kiln.errors import ConfigError, DataError
+from kiln.paths import output_folder
 
 PIECE_CHARS = 8192  # the unit of parallel work and of the train/val split
 SPLITS = ("train", "val")
@@ -35,33 +39,74 @@ class PreparedData:
     documents: int
     tokens: dict[str, int]  # split -> tokens
     shards: dict[str, list[str]]  # split -> shard file names
+    skipped: dict[str, int]  # what the walk of input folders left out -> how many
 
 
-def _input_files(inputs: Iterable) -> list[Path]:
-    files = []
+SKIPPED_FOLDERS = ("__pycache__", "node_modules")  # and every folder whose name starts with "."
+BINARY_PROBE = 8192  # a NUL byte in a file's first 8 KiB makes it binary (git's test)
+
+
+def _input_files(inputs: Iterable, pattern: str | None = None) -> tuple[list[Path], dict[str, int]]:
+    """(files, {"hidden or cache folders": n, "binary files": n}) of the inputs. Folders are walked
+    without their hidden and cache folders and binary files; with `pattern` (a glob such as '*.py')
+    only files whose path inside the folder matches it are taken. Files named as inputs are taken."""
+    files, skipped = [], {"hidden or cache folders": 0, "binary files": 0}
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            found = []
+            for root, dirs, names in os.walk(path):
+                keep = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_FOLDERS]
+                skipped["hidden or cache folders"] += len(dirs) - len(keep)
+                dirs[:] = sorted(keep)
+                for name in names:
+                    file = Path(root) / name
+                    if name.startswith(".") or (pattern and not file.relative_to(path).match(pattern)):
+                        continue
+                    if _is_binary(file):
+                        skipped["binary files"] += 1
+                        continue
+                    found.append(file)
             if not found:
-                raise DataError(f"{path}: the input folder holds no files")
-            files += found
+                raise DataError(f"{path}: the input folder holds no files"
+                                + (f" matching {pattern!r}" if pattern else "") + " (skipped: "
+                                + ", ".join(f"{n} {what}" for what, n in skipped.items()) + ")")
+            files += sorted(found)
         elif path.is_file():
             files.append(path)
         else:
             raise DataError(f"{path}: no such input file or folder")
     if not files:
         raise DataError("prepare: no inputs given; pass text files, folders or JSONL files")
-    return files
+    return files, skipped
+
+
+def _is_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_PROBE)
+
+
+def _bad_utf8_offset(path: Path) -> int:
+    """The file offset of the first byte that is not UTF-8 (decoding it block by block)."""
+    import codecs
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            pending = len(decoder.getstate()[0])  # bytes of a character the last block began
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                return offset - pending + e.start
+            offset += len(block)
+    return offset
 
 
 def _text_lines(path: Path) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8", newline="") as f:  # newline="": keep \r\n, for exact round trips
             yield from f
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} in a block near byte {e.start})") from None
+    except UnicodeDecodeError as e:  # e.start counts from the decoder's block, not the file
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {_bad_utf8_offset(path)})") from None
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
@@ -88,7 +133,7 @@ def _documents(files: list[Path], text_field: str) -> Iterator[Iterable[str]]:
     """Each document as an iterable of its lines."""
     for path in files:
         if path.stat().st_size == 0:
-            raise DataError(f"{path}: the input file is empty")
+            continue  # an empty file is an empty document: nothing to add
         if path.suffix == ".jsonl":
             yield from (text.splitlines(keepends=True) for text in _jsonl_texts(path, text_field))
         else:
@@ -189,24 +234,39 @@ def _make_tokenizer(tokenizer, vocab_size, files, text_field, progress):
     return tokenizer  # a tokenizer object, from the Python API
 
 
-def _clear_output(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix with an earlier run's files (the loader would read stale shards), or delete them."""
+def _old_output(out_dir: Path, overwrite: bool) -> list[Path]:
+    """An earlier run's prepared files in out_dir, refused unless overwrite (the loader would read
+    stale shards beside new ones); they are deleted only when the new data is complete."""
     old = [p for pattern in ("train_*.bin", "val_*.bin", META_FILE, BPE_FILE, BYTES_FILE)
-           for p in sorted(out_dir.glob(pattern))]
+           for p in sorted(out_dir.glob(pattern))] if out_dir.is_dir() else []
     if old and not overwrite:
         raise DataError(f"{out_dir}: already holds prepared data ({', '.join(p.name for p in old[:3])}, ...); "
                         "choose an empty folder or pass overwrite=True (--overwrite)")
+    return old
+
+
+def _move_into(tmp: Path, out_dir: Path, old: list[Path]) -> None:
+    """Put the finished data of `tmp` in out_dir: a rename when out_dir does not exist, else file by
+    file with meta.json last (a folder without it is refused by the loader, never half-read)."""
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        return
     for p in old:
-        p.unlink()
+        p.unlink(missing_ok=True)
+    for p in sorted(tmp.iterdir(), key=lambda p: p.name == META_FILE):
+        os.replace(p, out_dir / p.name)
+    tmp.rmdir()
 
 
 def prepare(inputs, out_dir, tokenizer="bpe", vocab_size: int | None = None, val_fraction: float = 0.1,
             shard_tokens: int = 100_000_000, workers: int = 1, text_field: str = "text",
-            progress: bool = True, overwrite: bool = False) -> PreparedData:
+            progress: bool = True, overwrite: bool = False, pattern: str | None = None) -> PreparedData:
     """Tokenize `inputs` into `out_dir`: train_/val_NNNNNN.bin shards, the tokenizer and meta.json.
 
     `tokenizer` is 'bytes', 'bpe' (train one of `vocab_size` ids on the inputs), a path to a
-    tokenizer.json, a tiktoken file or a saved tokenizer's folder, or a tokenizer object.
+    tokenizer.json, a tiktoken file or a saved tokenizer's folder, or a tokenizer object. `pattern`
+    (a glob, e.g. '*.py') picks the files of input folders. Everything is written into a temporary
+    folder beside out_dir and moved in at the end: a prepare that fails leaves nothing behind.
     """
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val_fraction={val_fraction}: allowed is 0 <= val_fraction < 1")
@@ -215,19 +275,30 @@ def prepare(inputs, out_dir, tokenizer="bpe", vocab_size: int | None = None, val
     if workers < 1:
         raise ConfigError(f"workers={workers}: allowed is 1 or more")
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
-    files = _input_files(inputs)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _clear_output(out_dir, overwrite)
+    files, skipped = _input_files(inputs, pattern)
+    out_dir = output_folder(out_dir, "--out")
+    old = _old_output(out_dir, overwrite)
     tok = _make_tokenizer(tokenizer, vocab_size, files, text_field, progress)
     if tok.eot_id is None:
         raise DataError(f"tokenizer {tok.source}: has no end-of-text token to separate documents "
                         "(looked for <|endoftext|>, <|end_of_text|>, </s>, <eos>)")
-    tok.save(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.prepare-", dir=out_dir.parent))
+    try:
+        result = _write(files, tmp, tok, val_fraction, shard_tokens, workers, text_field, progress, inputs,
+                        skipped)
+        _move_into(tmp, out_dir, old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dataclasses.replace(result, out_dir=out_dir)
 
+
+def _write(files, out_dir: Path, tok, val_fraction, shard_tokens, workers, text_field, progress, inputs,
+           skipped) -> PreparedData:
+    tok.save(out_dir)
     writers = {split: _SplitWriter(out_dir, split, shard_tokens, tok.vocab_size) for split in SPLITS}
     total = documents = 0
-    with tqdm(unit="tok", unit_scale=True, desc=f"prepare {out_dir}", disable=not progress) as bar:
+    with tqdm(unit="tok", unit_scale=True, desc="prepare", disable=not progress) as bar:
         for tokens, starts_document in _encoded(_work(files, text_field), out_dir, workers):
             n = len(tokens)
             to_val = writers["val"].tokens + n <= val_fraction * (total + n)
@@ -235,19 +306,21 @@ def prepare(inputs, out_dir, tokenizer="bpe", vocab_size: int | None = None, val
             total += n
             documents += starts_document
             bar.update(n)
+    if total == 0:
+        raise DataError(f"the inputs hold no text: {', '.join(str(f) for f in files[:3])}"
+                        f"{', ...' if len(files) > 3 else ''} {'are' if len(files) > 1 else 'is'} empty")
     shards = {split: w.close() for split, w in writers.items()}
     if val_fraction > 0 and not shards["val"]:
         raise DataError(f"val_fraction={val_fraction} put no text in validation: {total} tokens are too few "
-                        f"pieces of about {PIECE_CHARS} characters; give more text or val_fraction=0 "
-                        "(then rerun with --overwrite)")
+                        f"pieces of about {PIECE_CHARS} characters; give more text or val_fraction=0")
 
     described = f"{tok.kind} ({tok.source})"
     result = PreparedData(out_dir, described, tok.vocab_size, padded_vocab_size(tok.vocab_size), documents,
-                          {s: w.tokens for s, w in writers.items()}, shards)
+                          {s: w.tokens for s, w in writers.items()}, shards, skipped)
     meta = {"format": "kiln token shards (llm.c .bin)", "tokenizer": described, "vocab_size": tok.vocab_size,
             "padded_vocab_size": result.padded_vocab_size, "eot_id": tok.eot_id,
             "token_dtype": token_dtype(tok.vocab_size).name, "documents": documents,
             "val_fraction": val_fraction, "shard_tokens": shard_tokens, "inputs": [str(i) for i in inputs],
-            "splits": {s: {"tokens": result.tokens[s], "shards": shards[s]} for s in SPLITS}}
+            "skipped": skipped, "splits": {s: {"tokens": result.tokens[s], "shards": shards[s]} for s in SPLITS}}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return result

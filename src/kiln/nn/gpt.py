@@ -28,15 +28,52 @@ class GPTConfig:
     tie_weights: bool = True
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        # each field is checked against its declared type: bools take true/false only, ints reject
+        # bools (True is an int to Python) and floats, floats take ints
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"model.{f.name} must be true or false, got {value!r}")
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"model.{f.name} must be a positive integer, got {value!r}")
+            if f.type == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise ConfigError(f"model.{f.name} must be a number, got {value!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"model.n_embd ({self.n_embd}) must be a multiple of model.n_head "
                               f"({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> "GPTConfig":
+        """A config from stored settings (a run's config.json); an unknown key is a ConfigError."""
+        _check_names(settings)
+        return cls(**settings)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of GPT(self)'s parameters, without allocating them: weights on disk are
+        checked against it before a model of this config is built."""
+        n = self.n_embd
+        shapes = {"wte.weight": (self.vocab_size, n), "wpe.weight": (self.block_size, n)}
+        linears = (("attn.c_attn", 3 * n, n), ("attn.c_proj", n, n), ("mlp.c_fc", 4 * n, n), ("mlp.c_proj", n, 4 * n))
+        for i in range(self.n_layer):
+            for ln in ("ln_1", "ln_2"):
+                shapes[f"h.{i}.{ln}.weight"] = (n,)
+                shapes.update({f"h.{i}.{ln}.bias": (n,)} if self.bias else {})
+            for name, out, inp in linears:
+                shapes[f"h.{i}.{name}.weight"] = (out, inp)
+                shapes.update({f"h.{i}.{name}.bias": (out,)} if self.bias else {})
+        shapes["ln_f.weight"] = (n,)
+        shapes.update({"ln_f.bias": (n,)} if self.bias else {})
+        shapes.update({} if self.tie_weights else {"lm_head.weight": (self.vocab_size, n)})
+        return shapes
+
+
+def _check_names(settings) -> None:
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    bad = [k for k in settings if k not in fields]
+    if bad:
+        raise ConfigError(f"unknown model settings {bad}; allowed: {sorted(fields)}")
 
 
 PRESETS = {
@@ -53,10 +90,7 @@ def preset(name: str, **overrides) -> GPTConfig:
     """A copy of a preset's config, with fields overridden."""
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    bad = [k for k in overrides if k not in fields]
-    if bad:
-        raise ConfigError(f"unknown model settings {bad}; allowed: {sorted(fields)}")
+    _check_names(overrides)
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -159,6 +193,12 @@ class GPT(Module):
         """Sample max_new_tokens after the prompt idx [B, T]; the context is cropped to block_size.
 
         vocab_limit keeps samples below the tokenizer's size (the model's vocabulary is padded)."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0 (0: always the likeliest token), got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ConfigError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
         rng = generator if generator is not None else np.random.default_rng(0)
         out = idx.numpy().astype(np.int64)
         was_training = self.training

@@ -19,6 +19,7 @@ class TrainConfig:
     model: str = "tiny"                      # a preset name (kiln.nn.PRESETS)
     model_overrides: dict = field(default_factory=dict)
     data: str | None = None                  # a folder made by `kiln prepare`; None: the bundled corpus
+    vocab_size: int | None = None            # the data's token ids are below this; default: its meta.json's
     out_dir: str = "runs"
     run_name: str | None = None
     device: str = "auto"                     # auto: cuda when there is a GPU, else cpu
@@ -56,6 +57,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
+            raise ConfigError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
             raise ConfigError(f"seq_len must be a positive integer, got {self.seq_len!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:

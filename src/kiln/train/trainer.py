@@ -41,6 +41,7 @@ from kiln.errors import ConfigError, DataError, NotBuiltError
 from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.nn import GPT, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
+from kiln.paths import output_folder
 from kiln.profiler.cost import gpt_flops_per_token, mfu
 from kiln.train.config import (
     RESUME_OVERRIDES,
@@ -64,10 +65,11 @@ def data_parallel_group(parallel: str, device):
 
 class Trainer:
     def __init__(self, config: TrainConfig):
-        from kiln.data.loader import ShardLoader
-        from kiln.data.tokenizer import load_tokenizer
+        from kiln.data.loader import ShardLoader, read_meta
+        from kiln.data.tokenizer import load_tokenizer, padded_vocab_size
         config.validate()
         self.config = config
+        output_folder(config.out_dir, "out_dir (--out)")
         self.device = resolve_device(config.device)
         self.group = data_parallel_group(config.parallel, self.device)
         self.rank, self.world_size = (self.group.rank, self.group.size) if self.group else (0, 1)
@@ -75,15 +77,22 @@ class Trainer:
         if not data.exists():
             raise DataError(f"data path {str(data)!r} does not exist; make one with `kiln prepare`")
         self.data_dir = data
+        meta = read_meta(data) if data.is_dir() else None
+        self.vocab_size = config.vocab_size or (meta or {}).get("vocab_size")  # the ids the data may hold
+        if self.vocab_size is None:
+            raise DataError(f"{data}: has no meta.json, so its vocabulary is unknown (kiln prepare writes meta.json "
+                            "last: a prepare that stopped leaves none); for shards made elsewhere (llm.c), give "
+                            "it with --vocab-size N")
         self.tokenizer = load_tokenizer(data)
+        if self.tokenizer.vocab_size > self.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens, more than the data's "
+                              f"vocabulary of {self.vocab_size} (--vocab-size)")
         overrides = dict(config.model_overrides)
         pretrained = load_pretrained(config.init_from) if config.init_from else None
         if pretrained is not None:  # the weights fix the architecture; explicit overrides (dropout) win
             overrides = {**dataclasses.asdict(pretrained.config), **overrides}
-        meta_vocab = json.loads((data / "meta.json").read_text()).get("padded_vocab_size") \
-            if (data / "meta.json").is_file() else None
-        if meta_vocab and "vocab_size" not in overrides:
-            overrides["vocab_size"] = meta_vocab
+        if "vocab_size" not in overrides:  # the data's vocabulary, padded for GEMM shapes (as prepare pads it)
+            overrides["vocab_size"] = padded_vocab_size(self.vocab_size)
         self.model_config: GPTConfig = preset(config.model, **overrides)
         self.seq_len = config.seq_len or self.model_config.block_size
         if self.seq_len > self.model_config.block_size:
@@ -93,7 +102,7 @@ class Trainer:
         # on cuda the loaders stage batches through pinned memory on a copy stream (Algorithm 2);
         # rank r of W reads its own rows of each global batch (the loader's rank stride)
         loader_args = dict(batch_size=config.batch_size, seq_len=self.seq_len, seed=config.seed,
-                           device=self.device, rank=self.rank, world_size=self.world_size)
+                           device=self.device, rank=self.rank, world_size=self.world_size, vocab_size=self.vocab_size)
         self.train_loader = ShardLoader(data, "train", **loader_args)
         self.val_loader = ShardLoader(data, "val", **loader_args)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -252,10 +261,18 @@ class Trainer:
                 if saver is not None:
                     saver.check()  # a failed background save is reported here, at the next step
                 t0, before = time.perf_counter(), self.step
-                if c.profile and self.step == min(2, c.max_steps - 1):
-                    row = self._profiled_steps(min(4, c.max_steps - self.step), run)
-                else:
-                    row = self.train_step()
+                try:
+                    if c.profile and self.step == min(2, c.max_steps - 1):
+                        row = self._profiled_steps(min(4, c.max_steps - self.step), run)
+                    else:
+                        row = self.train_step()
+                except DataError as e:  # a shard changed under the run: keep the steps done so far
+                    if saver is not None:
+                        saver.wait()
+                    if saved != self.step:
+                        self.save_checkpoint(checkpoints)
+                    raise DataError(f"{e}; saved step {self.step}: fix the data and continue with "
+                                    f"`kiln train --resume {run}`") from None
                 dt = (time.perf_counter() - t0) / (self.step - before)
                 if self.step == 1:
                     self.device.backend.end_warmup()  # the paper's §5 allocator: learn, then flush step 0
