@@ -387,3 +387,30 @@ def test_an_imported_run_without_a_tokenizer_exports_and_sample_says_why_not(tmp
     assert a["n_embd"] == b["n_embd"] == 16 and a["vocab_size"] == b["vocab_size"]
     code, _, err = cli(capsys, "sample", tmp_path / "imported")
     assert code == 2 and "holds no tokenizer" in err and "tokenizer.json" in err, err
+
+
+# 16 ----------------------------------------------------------------- the exported stop token
+def test_export_writes_the_tokenizers_end_of_text_id(tmp_path, capsys, finished_run):
+    assert cli(capsys, "export", finished_run, tmp_path / "hf")[0] == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == 256  # the byte tokenizer's <|endoftext|>
+    assert generation["bos_token_id"] == generation["eos_token_id"] == 256
+
+
+def test_export_of_a_bpe_run_loads_in_transformers_with_its_stop_token(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from kiln.checkpoint import export_hf
+    from kiln.data.tokenizer import BPETokenizer
+    from kiln.nn import GPT, GPTConfig
+    rng = np.random.default_rng()
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kiln", "shard"]
+    tok = BPETokenizer.train((" ".join(rng.choice(words, 30)) for _ in range(200)), 300)
+    tok.save(tmp_path / "run")
+    model = GPT(GPTConfig(vocab_size=320, block_size=16, n_layer=1, n_head=2, n_embd=8))
+    export_hf(model, tmp_path / "hf", tokenizer_dir=tmp_path / "run")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tok.eot_id
+    assert hf_tok("alpha beta")["input_ids"] == tok.encode("alpha beta")
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert gen.eos_token_id == tok.eot_id

@@ -35,10 +35,11 @@ _HF_SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all tanh-approximate GELU
 
 
-def hf_config(cfg, vocab_size: int | None = None, dtype: str = "float32") -> dict:
-    """The config.json of a GPT2LMHeadModel equal to a kiln GPTConfig."""
+def hf_config(cfg, vocab_size: int | None = None, dtype: str = "float32", eot_id: int | None = None) -> dict:
+    """The config.json of a GPT2LMHeadModel equal to a kiln GPTConfig; eot_id is the tokenizer's
+    end-of-text id (default: GPT-2's 50256 when the vocabulary holds it), generate's stop token."""
     v = vocab_size or cfg.vocab_size
-    eot = 50256 if v > 50256 else None
+    eot = eot_id if eot_id is not None else (50256 if v > 50256 else None)
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": v,
             "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
             "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
@@ -121,10 +122,29 @@ def export_hf(model, out_dir, vocab_size: int | None = None, dtype: str | None =
     dt = str(tensors["transformer.wte.weight"].dtype)
     with atomic_file(out / HF_WEIGHTS) as f:
         f.write(st_save(tensors, metadata={"format": "pt"}))  # transformers wants format "pt"
+    tok = _tokenizer_of(tokenizer_dir)
+    config = hf_config(model.config, vocab_size, dt, None if tok is None else tok.eot_id)
     with atomic_file(out / HF_CONFIG) as f:
-        f.write(json.dumps(hf_config(model.config, vocab_size, dt), indent=2).encode())
+        f.write(json.dumps(config, indent=2).encode())
+    if config["eos_token_id"] is not None:  # transformers' generate stops there
+        with atomic_file(out / "generation_config.json") as f:
+            f.write(json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
+                               indent=2).encode())
     _copy_tokenizer(tokenizer_dir, out)
+    if tok is not None and tok.kind == "bpe" and tok.eot_token is not None:  # what AutoTokenizer reads
+        with atomic_file(out / "tokenizer_config.json") as f:
+            f.write(json.dumps({"tokenizer_class": "GPT2TokenizerFast", "bos_token": tok.eot_token,
+                                "eos_token": tok.eot_token, "unk_token": tok.eot_token,
+                                "model_max_length": model.config.block_size}, indent=2).encode())
     return out
+
+
+def _tokenizer_of(folder):
+    """The tokenizer saved in `folder`, or None when it has none."""
+    from kiln.data.tokenizer import BPE_FILE, BYTES_FILE, load_tokenizer
+    if folder is None or not any((Path(folder) / name).is_file() for name in (BPE_FILE, BYTES_FILE)):
+        return None
+    return load_tokenizer(folder)
 
 
 def _copy_tokenizer(src, dst) -> None:

@@ -43,6 +43,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     eot_id = 256
+    eot_token = EOT
     kind = "bytes"
     source = "utf-8 bytes"
 
@@ -126,7 +127,8 @@ class BPETokenizer:
         self._hf, self.source = hf, source
         self._hf.encode_special_tokens = True  # a literal "<|endoftext|>" in text stays text
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        self.eot_id = next((i for i in map(hf.token_to_id, EOT_NAMES) if i is not None), None)
+        self.eot_token = next((name for name in EOT_NAMES if hf.token_to_id(name) is not None), None)
+        self.eot_id = None if self.eot_token is None else hf.token_to_id(self.eot_token)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, progress: bool = False) -> "BPETokenizer":
