@@ -414,3 +414,26 @@ def test_export_of_a_bpe_run_loads_in_transformers_with_its_stop_token(tmp_path)
     assert hf_tok("alpha beta")["input_ids"] == tok.encode("alpha beta")
     gen = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
     assert gen.eos_token_id == tok.eot_id
+
+
+# 17 ----------------------------------------------------------------- llm.c shards; what an import carries
+def test_train_on_shards_alone_with_vocab_size_or_a_tokenizer(tmp_path, capsys):
+    data = prepared(tmp_path)
+    (data / "meta.json").unlink()
+    shutil.move(data / "bytes-tokenizer.json", tmp_path / "bytes-tokenizer.json")  # shards alone, as llm.c's
+    code, out, err = cli(capsys, "train", "--data", data, "--vocab-size", 257, "--out", tmp_path, "--name", "a", *TINY)
+    assert code == 0 and "no sample: the data has no tokenizer" in out, err
+    code, out, err = cli(capsys, "train", "--data", data, "--tokenizer", tmp_path / "bytes-tokenizer.json",
+                         "--out", tmp_path, "--name", "b", *TINY)
+    assert code == 0 and "sample:\nThe " in out, err
+    a, b = (json.loads((tmp_path / r / "summary.json").read_text()) for r in "ab")
+    assert a["final_val_loss"] == b["final_val_loss"]  # the same vocabulary, model and batches
+
+
+def test_import_says_which_dropout_it_carried(tmp_path, capsys, finished_run):
+    assert cli(capsys, "export", finished_run, tmp_path / "hf")[0] == 0
+    _edit_config(tmp_path / "hf", lambda c: c.update(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    code, out, err = cli(capsys, "import", tmp_path / "hf", "--out", tmp_path / "imported")
+    assert code == 0, err
+    assert "dropout 0.1 (resid_pdrop)" in out and "attn_pdrop 0.1 is not carried" in out, out
+    assert "--set dropout=0" in out

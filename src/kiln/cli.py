@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
 from kiln.errors import ConfigError, DataError, KilnError
 
@@ -65,7 +66,8 @@ def _train(args) -> int:
     print(f"validation loss {s['final_val_loss']:.4f} nats/token; unigram entropy of the training "
           f"data {s['unigram_entropy']:.4f} nats/token")
     print(f"throughput {s['tokens_per_s']:.0f} tokens/s, {s['elapsed_s']:.1f} s; run folder {s['run_dir']}")
-    print("sample:\n" + s["sample"])
+    print("sample:\n" + s["sample"] if trainer.tokenizer else
+          "no sample: the data has no tokenizer (give one with --tokenizer)")
     return 0
 
 
@@ -111,10 +113,13 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
-    from kiln.checkpoint.hf import import_hf_run
+    import json
+
+    from kiln.checkpoint.hf import HF_CONFIG, carried_dropout, import_hf_run
     run = import_hf_run(args.hf_dir, args.out, pad_vocab_to=args.pad_vocab)
     print(f"kiln: imported {args.hf_dir} into {run}; fine-tune it with "
           f"`kiln train --init-from {run} --data ...`")
+    print(f"kiln: {carried_dropout(json.loads((Path(args.hf_dir) / HF_CONFIG).read_text()))}")
     return 0
 
 
@@ -208,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", help="a folder made by `kiln prepare` (default: the bundled corpus)")
     t.add_argument("--vocab-size", type=int, help="the data's vocabulary (token ids 0..N-1), for shards "
                    "without kiln's meta.json, e.g. llm.c's: 50257 (default: meta.json's)")
+    t.add_argument("--tokenizer", help="a tokenizer.json, tiktoken file or saved tokenizer folder for shards "
+                   "without one (its size is the vocabulary unless --vocab-size says)")
     t.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--precision", help="fp32 (default), tf32 (GPU), bf16 or fp64")
     t.add_argument("--steps", dest="max_steps", type=int)

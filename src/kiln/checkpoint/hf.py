@@ -80,6 +80,18 @@ def gpt_config_from_hf(hf: dict, vocab_size: int | None = None):
                      tie_weights=bool(hf.get("tie_word_embeddings", True)))
 
 
+def carried_dropout(hf: dict) -> str:
+    """What an HF config's dropout settings become in kiln, in words: resid_pdrop is kiln's one
+    dropout (embeddings, attention and MLP outputs); attn_pdrop has no place in kiln's attention."""
+    p, attn = float(hf.get("resid_pdrop", 0.0)), float(hf.get("attn_pdrop", 0.0))
+    said = f"dropout {p:g} (resid_pdrop) carried into fine-tuning"
+    if float(hf.get("embd_pdrop", p)) != p:
+        said += f"; embd_pdrop {hf['embd_pdrop']:g} is not carried: kiln uses {p:g} for the embeddings too"
+    if attn:
+        said += f"; attn_pdrop {attn:g} is not carried: kiln's attention has no dropout on its probabilities"
+    return said + ("; fine-tune with --set dropout=0 for none" if p else "")
+
+
 def to_hf_tensors(model, vocab_size: int | None = None, dtype: str | None = None) -> dict:
     """{HF name: NumPy array} of a kiln GPT (on any device)."""
     cfg = model.config

@@ -20,6 +20,7 @@ class TrainConfig:
     model_overrides: dict = field(default_factory=dict)
     data: str | None = None                  # a folder made by `kiln prepare`; None: the bundled corpus
     vocab_size: int | None = None            # the data's token ids are below this; default: its meta.json's
+    tokenizer: str | None = None             # a tokenizer file or folder; default: the data folder's
     out_dir: str = "runs"
     run_name: str | None = None
     device: str = "auto"                     # auto: cuda when there is a GPU, else cpu

@@ -66,7 +66,7 @@ def data_parallel_group(parallel: str, device):
 class Trainer:
     def __init__(self, config: TrainConfig):
         from kiln.data.loader import ShardLoader, read_meta
-        from kiln.data.tokenizer import load_tokenizer, padded_vocab_size
+        from kiln.data.tokenizer import BPE_FILE, BYTES_FILE, load_tokenizer, padded_vocab_size
         config.validate()
         self.config = config
         output_folder(config.out_dir, "out_dir (--out)")
@@ -78,13 +78,18 @@ class Trainer:
             raise DataError(f"data path {str(data)!r} does not exist; make one with `kiln prepare`")
         self.data_dir = data
         meta = read_meta(data) if data.is_dir() else None
-        self.vocab_size = config.vocab_size or (meta or {}).get("vocab_size")  # the ids the data may hold
+        # the tokenizer: --tokenizer's, else the data folder's; shards alone (llm.c's) may have none
+        source = config.tokenizer or (data if any((data / n).is_file() for n in (BPE_FILE, BYTES_FILE)) else None)
+        self.tokenizer = load_tokenizer(source) if source is not None else None
+        self.vocab_size = config.vocab_size or (meta or {}).get("vocab_size") or \
+            (self.tokenizer.vocab_size if config.tokenizer else None)  # the ids the data may hold
         if self.vocab_size is None:
             raise DataError(f"{data}: has no meta.json, so its vocabulary is unknown (kiln prepare writes meta.json "
                             "last: a prepare that stopped leaves none); for shards made elsewhere (llm.c), give "
-                            "it with --vocab-size N")
-        self.tokenizer = load_tokenizer(data)
-        if self.tokenizer.vocab_size > self.vocab_size:
+                            "it with --vocab-size N or --tokenizer FILE")
+        self.vocab_source = ("--vocab-size" if config.vocab_size else f"{data / 'meta.json'}" if meta
+                             else f"the tokenizer {config.tokenizer}")
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.vocab_size:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens, more than the data's "
                               f"vocabulary of {self.vocab_size} (--vocab-size)")
         overrides = dict(config.model_overrides)
@@ -105,9 +110,9 @@ class Trainer:
                            device=self.device, rank=self.rank, world_size=self.world_size, vocab_size=self.vocab_size)
         self.train_loader = ShardLoader(data, "train", **loader_args)
         self.val_loader = ShardLoader(data, "val", **loader_args)
-        if self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens, more than the "
-                              f"model's vocab_size {self.model_config.vocab_size}")
+        if self.vocab_size > self.model_config.vocab_size:
+            raise ConfigError(f"the data's vocabulary of {self.vocab_size} tokens ({self.vocab_source}) is larger "
+                              f"than the model's vocab_size {self.model_config.vocab_size}")
         kiln.manual_seed(config.seed)
         self.model = GPT(self.model_config, generator=kiln.Generator(config.seed))
         self.model.to(self.device, dtype="float64" if config.precision == "fp64" else "float32")
@@ -240,13 +245,14 @@ class Trainer:
             return self._fit_without_writing()
         if not resumed:
             self.run_dir = new_run_dir(c.out_dir, c.run_name, c.model)
-            self.tokenizer.save(self.run_dir)
+            if self.tokenizer is not None:
+                self.tokenizer.save(self.run_dir)
             write_config(self.run_dir, self.model_config, jsonable(dataclasses.asdict(c)),
                          data=str(self.data_dir), device=str(self.device))
         run = self.run_dir
         if self.sharded:  # every rank writes its checkpoint shard into rank 0's run folder
             self.group.engine.exchange(str(run))
-        entropy = unigram_entropy(self.train_loader.paths, self.tokenizer.vocab_size)
+        entropy = unigram_entropy(self.train_loader.paths, self.vocab_size)
         tokens_per_step = c.batch_size * self.seq_len * self.grad_accum * self.world_size
         history = logged_rows(run / METRICS, self.step) if resumed else []
         evals = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
@@ -305,7 +311,7 @@ class Trainer:
         self._gather_for_writing()
         self.save_weights(run / WEIGHTS)
         plot_losses(history, run / LOSS_PLOT, entropy)
-        text = self.sample(c.sample_prompt, c.sample_tokens) if c.sample_tokens else ""
+        text = self.sample(c.sample_prompt, c.sample_tokens) if c.sample_tokens and self.tokenizer else ""
         (run / "sample.txt").write_text(text)
         steady = [r["tokens_per_s"] for r in history[len(history) // 5:]] or [history[-1]["tokens_per_s"]]
         summary = {"run_dir": str(run), "steps": self.step, "final_train_loss": history[-1]["loss"],
