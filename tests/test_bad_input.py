@@ -437,3 +437,29 @@ def test_import_says_which_dropout_it_carried(tmp_path, capsys, finished_run):
     assert code == 0, err
     assert "dropout 0.1 (resid_pdrop)" in out and "attn_pdrop 0.1 is not carried" in out, out
     assert "--set dropout=0" in out
+
+
+# 18 ----------------------------------------------------------------- evaluation reads each window once
+def test_evaluation_reads_each_validation_window_once_and_logs_its_tokens(tmp_path):
+    from kiln.train import TrainConfig, Trainer
+    data = prepared(tmp_path)
+    val_tokens = json.loads((data / "meta.json").read_text())["splits"]["val"]["tokens"]
+    cfg = TrainConfig(data=str(data), model_overrides={"n_layer": 1, "n_embd": 16, "n_head": 2}, batch_size=16,
+                      seq_len=128, device="cpu", progress=False, max_steps=1, eval_iters=20, sample_tokens=0,
+                      out_dir=str(tmp_path / "runs"))
+    trainer = Trainer(cfg)
+    windows = (val_tokens - 1) // (16 * 128)
+    assert 0 < windows < 20  # a split smaller than eval_iters batches
+    seen = []
+    real = trainer.val_loader.next_batch
+
+    def next_batch():
+        x, y = real()
+        seen.append(x.tobytes())
+        return x, y
+
+    trainer.val_loader.next_batch = next_batch
+    s = trainer.fit()
+    assert len(seen) == len(set(seen)) == windows
+    row = json.loads((tmp_path / "runs" / s["run_dir"].split("/")[-1] / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["val_tokens"] == windows * 16 * 128

@@ -63,7 +63,8 @@ def _train(args) -> int:
             if s["checkpoint"] else "no step had finished, nothing to save"
         print(f"kiln: stopped by {s['interrupted']} after step {s['steps']}; {saved}", file=sys.stderr)
         return 130 if s["interrupted"] == "SIGINT" else 143
-    print(f"validation loss {s['final_val_loss']:.4f} nats/token; unigram entropy of the training "
+    print(f"validation loss {s['final_val_loss']:.4f} nats/token over {s['val_tokens']:,} held-out tokens; "
+          f"unigram entropy of the training "
           f"data {s['unigram_entropy']:.4f} nats/token")
     print(f"throughput {s['tokens_per_s']:.0f} tokens/s, {s['elapsed_s']:.1f} s; run folder {s['run_dir']}")
     print("sample:\n" + s["sample"] if trainer.tokenizer else

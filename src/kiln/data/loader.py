@@ -121,6 +121,12 @@ class ShardLoader:
         return self.batch_size * self.seq_len
 
     @property
+    def batches_per_epoch(self) -> int:
+        """Distinct steps in one pass over the shards (each shard's tokens after its last full step
+        are not read)."""
+        return sum((n - 1) // self._step for n in self._sizes)
+
+    @property
     def pinned(self) -> bool:
         """True when batches are staged through pinned memory on a copy stream (CUDA, Algorithm 2)."""
         return self._staging is not None and not self._staging.synchronous

@@ -145,6 +145,7 @@ class Trainer:
         self.sample_rng = np.random.default_rng(0)  # the sampling RNG; a checkpoint keeps its state
         self.stop_signal: int | None = None        # SIGINT/SIGTERM received: stop after this step
         self.checkpoint_stalls: list[float] = []   # seconds each checkpoint held up training
+        self.val_tokens = 0                         # tokens the last evaluation read
         self._graph_step: CapturedStep | None = None  # the step as a CUDA graph, recorded at step 2
         self._graph_failed = False                      # recording it failed once: op by op from then on
 
@@ -213,11 +214,14 @@ class Trainer:
 
     @kiln.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over eval_iters validation batches, the same batches every time."""
+        """Mean loss over eval_iters validation batches, the same batches every time; a split with
+        fewer distinct batches is read once, not wrapped around (self.val_tokens: the tokens read)."""
         self.model.eval()
         self.val_loader.reset()
         losses = []
-        for _ in range(self.config.eval_iters):
+        n = min(self.config.eval_iters, self.val_loader.batches_per_epoch)
+        self.val_tokens = n * self.val_loader.tokens_per_batch * self.world_size
+        for _ in range(n):
             x, y = self._batch(self.val_loader)
             losses.append(self.model(x, y)[1].item())
         self.model.train()
@@ -287,6 +291,7 @@ class Trainer:
                 row["elapsed_s"] = time.perf_counter() - start
                 if self.step % c.eval_interval == 0 or self.step == c.max_steps:
                     row["val_loss"] = self.evaluate()
+                    row["val_tokens"] = self.val_tokens
                     evals.append((self.step, row["val_loss"]))
                 history.append(row)
                 log.write(json.dumps(row) + "\n")
@@ -315,7 +320,7 @@ class Trainer:
         (run / "sample.txt").write_text(text)
         steady = [r["tokens_per_s"] for r in history[len(history) // 5:]] or [history[-1]["tokens_per_s"]]
         summary = {"run_dir": str(run), "steps": self.step, "final_train_loss": history[-1]["loss"],
-                   "final_val_loss": evals[-1][1], "unigram_entropy": entropy,
+                   "final_val_loss": evals[-1][1], "val_tokens": self.val_tokens, "unigram_entropy": entropy,
                    "tokens_per_s": float(np.median(steady)), "elapsed_s": elapsed, "sample": text,
                    "mfu": mfu(float(np.median(steady)), flops_per_token, peak_flops),
                    "flops_per_token": flops_per_token, "peak_tflops": peak_flops / 1e12,
