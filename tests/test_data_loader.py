@@ -147,9 +147,8 @@ def test_token_outside_the_vocabulary_raises_naming_the_shard(tmp_path):
     tokens = rng.integers(0, 100, size=500)
     tokens[321] = 60001
     write_shard(tmp_path / "train_000001.bin", tokens)
-    loader = ShardLoader(tmp_path, batch_size=2, seq_len=50)
     with pytest.raises(DataError, match=r"train_000001.bin: token 60001 at position 321 is outside the vocabulary 0..59999"):
-        take(loader, 10)
+        ShardLoader(tmp_path, batch_size=2, seq_len=50)  # found when the data is opened, before any batch
 
 
 def test_shard_smaller_than_one_step_raises(tmp_path):
