@@ -463,3 +463,11 @@ def test_evaluation_reads_each_validation_window_once_and_logs_its_tokens(tmp_pa
     assert len(seen) == len(set(seen)) == windows
     row = json.loads((tmp_path / "runs" / s["run_dir"].split("/")[-1] / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["val_tokens"] == windows * 16 * 128
+
+
+# 19 ----------------------------------------------------------------- where the vocabulary came from
+def test_train_says_where_the_vocabulary_came_from(tmp_path, capsys):
+    code, out, err = cli(capsys, "train", "--out", tmp_path, *TINY)
+    assert code == 0, err
+    assert "model vocab_size 320: the data's 257 tokens (" in out and "meta.json) padded to a multiple of 64, " \
+        "not the preset's 256" in out, out

@@ -39,7 +39,7 @@ from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
 from kiln.errors import ConfigError, DataError, NotBuiltError
 from kiln.graph import CapturedStep, GraphCaptureError
-from kiln.nn import GPT, GPTConfig, preset
+from kiln.nn import GPT, PRESETS, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
 from kiln.paths import output_folder
 from kiln.profiler.cost import gpt_flops_per_token, mfu
@@ -148,6 +148,16 @@ class Trainer:
         self.val_tokens = 0                         # tokens the last evaluation read
         self._graph_step: CapturedStep | None = None  # the step as a CUDA graph, recorded at step 2
         self._graph_failed = False                      # recording it failed once: op by op from then on
+
+    def describe_vocabulary(self) -> str:
+        """Where the model's vocab_size came from, in words (a preset's own size is often replaced)."""
+        v, preset_v = self.model_config.vocab_size, PRESETS[self.config.model].vocab_size
+        if "vocab_size" in self.config.model_overrides:
+            return f"model vocab_size {v}: the model settings' (--set or a resumed checkpoint's; the data has {self.vocab_size} tokens)"
+        if self.config.init_from:
+            return f"model vocab_size {v}: the pretrained weights' ({self.config.init_from})"
+        return (f"model vocab_size {v}: the data's {self.vocab_size} tokens ({self.vocab_source}) padded to a "
+                f"multiple of 64" + ("" if v == preset_v else f", not the preset's {preset_v}"))
 
     # ------------------------------------------------------------------ steps
     def lr_at(self, step: int) -> float:
