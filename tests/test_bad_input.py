@@ -471,3 +471,27 @@ def test_train_says_where_the_vocabulary_came_from(tmp_path, capsys):
     assert code == 0, err
     assert "model vocab_size 320: the data's 257 tokens (" in out and "meta.json) padded to a multiple of 64, " \
         "not the preset's 256" in out, out
+
+
+# 20 ----------------------------------------------------------------- a preset carries its recipe
+def test_a_preset_carries_its_training_recipe_and_flags_override_it():
+    from kiln.cli import build_parser
+    from kiln.train import TrainConfig
+    gpt2 = TrainConfig(model="gpt2-124m")  # the paper's Table 1
+    assert (gpt2.lr, gpt2.min_lr, gpt2.warmup_steps, gpt2.max_steps, gpt2.global_batch) == \
+        (6e-4, 6e-5, 715, 19_073, 524_288)
+    assert (gpt2.weight_decay, gpt2.betas, gpt2.grad_clip) == (0.1, (0.9, 0.95), 1.0)
+    assert TrainConfig(model="gpt2-2.4b").batch_size == 2 and TrainConfig(model="gpt2-2.4b").global_batch == 524_288
+    tiny = TrainConfig()
+    assert (tiny.lr, tiny.warmup_steps, tiny.global_batch, tiny.batch_size) == (2e-3, 40, None, 16)
+    args = vars(build_parser().parse_args(["train", "--config", "gpt2-124m", "--lr", "3e-4", "--warmup-steps", "100"]))
+    cfg = TrainConfig(**{k: v for k, v in args.items() if k in ("model", "lr", "warmup_steps") and v is not None})
+    assert (cfg.lr, cfg.warmup_steps, cfg.max_steps) == (3e-4, 100, 19_073)
+    assert abs(cfg.min_lr - 3e-5) < 1e-15  # the recipe's lr/10
+    assert TrainConfig(model="gpt2-124m", grad_accum=4).global_batch is None  # grad_accum given: no global batch
+
+
+def test_train_prints_its_recipe(tmp_path, capsys):
+    code, out, err = cli(capsys, "train", "--out", tmp_path, *TINY)
+    assert code == 0 and "recipe of tiny (flags override it): lr 0.002 -> 0.0002 (cosine), 40 warm-up steps, " \
+        "2 steps" in out, out

@@ -54,6 +54,7 @@ def _train(args) -> int:
           f"{trainer.device}, data {trainer.data_dir}, {cfg.max_steps} steps of "
           f"{cfg.batch_size}x{trainer.seq_len} tokens x {trainer.grad_accum} micro-steps{ranks}", flush=True)
     print(f"kiln: {trainer.describe_vocabulary()}", flush=True)
+    print(f"kiln: recipe of {cfg.model} (flags override it): {cfg.describe_recipe()}", flush=True)
     try:
         s = trainer.fit()
     except KeyboardInterrupt:  # a second Ctrl-C: the step in flight was not saved

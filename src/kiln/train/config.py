@@ -25,17 +25,17 @@ class TrainConfig:
     run_name: str | None = None
     device: str = "auto"                     # auto: cuda when there is a GPU, else cpu
     precision: str = "fp32"
-    batch_size: int = 16
+    batch_size: int | None = None            # None here and below: the preset's recipe (RECIPES)
     seq_len: int | None = None               # default: the model's context
     grad_accum: int = 1
-    max_steps: int = 600
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int = 40
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.95)
+    max_steps: int | None = None
+    lr: float | None = None
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float | None = None
+    betas: tuple | None = None
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float | None = None
     eval_interval: int = 100
     eval_iters: int = 20
     seed: int = 1337
@@ -51,6 +51,25 @@ class TrainConfig:
     parallel: str = "none"                   # ddp: data parallel over the launcher's ranks (kiln.distributed)
     global_batch: int | None = None          # tokens per optimizer step; sets grad_accum (Algorithm 1, line 1)
     bucket_mb: float = 25.0                  # ddp: gradient bucket size in MB
+
+    def __post_init__(self):
+        """Fill every training setting left None from the model preset's recipe (flags override it)."""
+        recipe = RECIPES.get(self.model, RECIPES["tiny"])  # an unknown preset is refused by kiln.nn.preset
+        if self.lr is not None and self.min_lr is None:  # a given lr keeps the recipe's decay ratio
+            self.min_lr = self.lr * recipe["min_lr"] / recipe["lr"]
+        for name, value in recipe.items():
+            if name == "global_batch":  # through accumulation, unless grad_accum was given
+                if self.global_batch is None and self.grad_accum == 1:
+                    self.global_batch = value
+            elif getattr(self, name) is None:
+                setattr(self, name, value)
+        self.betas = tuple(self.betas)
+
+    def describe_recipe(self) -> str:
+        """The optimizer schedule this run uses, in one line (the preset's recipe, as flags changed it)."""
+        batch = f"{self.global_batch:,} tokens a step" if self.global_batch else f"{self.grad_accum} micro-batch(es) a step"
+        return (f"lr {self.lr:g} -> {self.min_lr:g} (cosine), {self.warmup_steps} warm-up steps, {self.max_steps} "
+                f"steps, {batch}, weight decay {self.weight_decay:g}, betas {self.betas}, clip {self.grad_clip:g}")
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
@@ -103,6 +122,19 @@ def apply_precision(model, precision: str, device) -> None:
     model.compute_dtype = kiln.bfloat16 if precision == "bf16" else None
     device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
 
+
+
+_TABLE_1 = dict(lr=6e-4, min_lr=6e-5, warmup_steps=715, max_steps=19_073, global_batch=524_288,
+                weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0)
+RECIPES = {  # each preset's training recipe: what TrainConfig's None settings become
+    # the CPU default: the bundled corpus in about two minutes on two cores
+    "tiny": dict(batch_size=16, max_steps=600, lr=2e-3, min_lr=2e-4, warmup_steps=40, global_batch=None,
+                 weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0),
+    # the paper's Table 1 (GPT-2 124M): 524,288 tokens a step through accumulation, 19,073 steps
+    "gpt2-124m": dict(batch_size=16, **_TABLE_1),
+    # Table 5 gives B=2 and the same 524,288-token global batch; its optimizer settings are Table 1's
+    "gpt2-2.4b": dict(batch_size=2, **_TABLE_1),
+}
 
 
 def accumulation_steps(config: TrainConfig, seq_len: int, world_size: int) -> int:
