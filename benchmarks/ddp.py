@@ -15,6 +15,11 @@ Three parts, every rank running this file:
    same initial weights, AdamW (fused in torch), clip 1.0; kiln replays its step as a CUDA graph
    from the third step (--no-cuda-graph: op by op); torch runs eager with --mode's autocast.
 3. peak memory per rank (each framework's allocator).
+4. with --strategies, the same step sharded: kiln ZeRO-1, ZeRO-2 and FSDP (ZeRO-3) beside PyTorch's
+   ZeroRedundancyOptimizer over DDP (ZeRO-1) and FSDP2 (fully_shard); tokens/s and peak memory
+   per rank. PyTorch has no ZeRO-2 of its own (its column is empty). FSDP2 shards the benchmark's
+   functional GPT-2 module as one unit (it has no per-block modules); kiln's FSDP gathers per
+   block's attention and MLP. kiln's sharded steps run op by op (no CUDA graph yet).
 Rank 0 prints a table and writes benchmarks/results/ddp/ddp-<date>-w<W>-<device>.json and .md.
 """
 
@@ -52,6 +57,8 @@ def parse_args():
     ap.add_argument("--n-head", type=int, default=12)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--frameworks", default="kiln,torch")
+    ap.add_argument("--strategies", default="zero1,zero2,fsdp", help="sharded strategies to time after DDP "
+                    "('' for none)")
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ddp"))
     return ap.parse_args()
@@ -91,8 +98,9 @@ def kiln_model(args):
     return GPT(cfg, generator=kiln.Generator(1234)), cfg
 
 
-def kiln_train(world, args, batches, ddp_on: bool) -> dict:
-    """tokens/s of this rank over the timed steps, and its peak memory."""
+def kiln_train(world, args, batches, ddp_on: bool, strategy: str = "ddp") -> dict:
+    """tokens/s of this rank over the timed steps, and its peak memory (strategy: ddp, zero1,
+    zero2 or fsdp when ddp_on)."""
     import kiln
     import kiln.distributed as dist
     from kiln.graph import CapturedStep
@@ -102,8 +110,16 @@ def kiln_train(world, args, batches, ddp_on: bool) -> dict:
     model, _ = kiln_model(args)
     model.to(dev)
     apply_precision(model, args.mode, dev)
-    ddp = dist.DistributedDataParallel(model, world, bucket_cap_mb=args.bucket_mb) if ddp_on else None
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    ddp = None
+    if ddp_on and strategy == "ddp":
+        ddp = dist.DistributedDataParallel(model, world, bucket_cap_mb=args.bucket_mb)
+    elif ddp_on and strategy == "fsdp":
+        ddp = dist.FullyShardedDataParallel(model, opt, group=world)
+    elif ddp_on:
+        ddp = dist.ZeroDataParallel(model, opt, stage=int(strategy[-1]), group=world, bucket_cap_mb=args.bucket_mb)
+    if ddp is not None and strategy != "ddp":
+        opt = ddp.optimizer
 
     def step(x, y):
         opt.zero_grad()
@@ -115,7 +131,7 @@ def kiln_train(world, args, batches, ddp_on: bool) -> dict:
         opt.step()
         return loss
 
-    graph = CapturedStep(step) if args.cuda_graph and args.device == "cuda" else None
+    graph = CapturedStep(step) if args.cuda_graph and args.device == "cuda" and strategy == "ddp" else None
     times, losses = [], []
     for i, (x, y) in enumerate(batches):
         if i == 1:
@@ -160,7 +176,7 @@ def torch_all_reduce_ms(tdist, args, nbytes: int) -> float:
     return 1000 * float(np.median(times))
 
 
-def torch_train(args, batches, ddp_on: bool) -> dict:
+def torch_train(args, batches, ddp_on: bool, strategy: str = "ddp") -> dict:
     import torch
 
     from tests.torch_gpt import torch_gpt_forward, torch_params
@@ -178,12 +194,23 @@ def torch_train(args, batches, ddp_on: bool) -> dict:
             return torch_gpt_forward({self.names[k]: v for k, v in self.params.items()}, cfg, x, y)[1]
 
     module = GPTModule().to(dev)
-    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb,
-                                                      gradient_as_bucket_view=True) if ddp_on else module
+    if ddp_on and strategy == "fsdp":  # FSDP2: parameters become DTensor shards
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(module)
+    elif ddp_on:
+        model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb,
+                                                          gradient_as_bucket_view=True)
+    else:
+        model = module
     plist = list(module.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in plist if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in plist if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=dev == "cuda")
+    groups = [{"params": [p for p in plist if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in plist if p.ndim < 2], "weight_decay": 0.0}]
+    adamw = {"lr": 6e-4, "betas": (0.9, 0.95), "eps": 1e-8, "fused": dev == "cuda"}
+    if ddp_on and strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(plist, optimizer_class=torch.optim.AdamW, weight_decay=0.1, **adamw)
+    else:
+        opt = torch.optim.AdamW(groups, **adamw)
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -204,8 +231,8 @@ def torch_train(args, batches, ddp_on: bool) -> dict:
 
 # ---------------------------------------------------------------------- the run
 def batches_for(rank: int, args):
+    from kiln.data.corpus import bundled_dataset
     from kiln.data.loader import ShardLoader
-    from kiln.train import bundled_dataset
     loader = ShardLoader(bundled_dataset(), "train", batch_size=args.batch_size, seq_len=args.seq_len,
                          rank=rank, world_size=max(rank + 1, 1))
     return [loader.next_batch() for _ in range(args.steps)]
@@ -257,6 +284,22 @@ def main() -> None:
             print(f"{fw:6} alone {t['alone_tokens_per_s']:10.0f} tok/s; DDP x{W}: {np.mean(tps):10.0f} tok/s per rank "
                   f"(efficiency {t['scaling_efficiency']:.3f}), peak {max(t['ddp_peak_gib_per_rank']):.2f} GiB",
                   flush=True)
+    strategies = [s for s in args.strategies.split(",") if s]
+    record["sharded"] = {}
+    for fw in frameworks:
+        for strategy in strategies:
+            if fw == "torch" and strategy == "zero2":
+                continue  # PyTorch has no ZeRO-2 of its own
+            world.barrier()
+            run = kiln_train(world, args, batches, True, strategy) if fw == "kiln" else \
+                torch_train(args, batches, True, strategy)
+            per_rank = world.engine.exchange([run["tokens_per_s"], run["peak_gib"]])
+            if rank == 0:
+                record["sharded"].setdefault(fw, {})[strategy] = {
+                    "tokens_per_s_per_rank": [p[0] for p in per_rank], "peak_gib_per_rank": [p[1] for p in per_rank],
+                    "losses_rank0": run["losses"]}
+                print(f"{fw:6} {strategy:5} x{W}: {np.mean([p[0] for p in per_rank]):10.0f} tok/s per rank, "
+                      f"peak {max(p[1] for p in per_rank):.2f} GiB", flush=True)
     if rank == 0:
         write(record, args)
 
@@ -287,6 +330,17 @@ def write(record: dict, args) -> None:
     for fw, t in record["training"].items():
         lines.append(f"| {fw} | {t['alone_tokens_per_s']:.0f} | {np.mean(t['ddp_tokens_per_s_per_rank']):.0f} | "
                      f"{t['scaling_efficiency']:.3f} | {max(t['ddp_peak_gib_per_rank']):.2f} |")
+    if record.get("sharded"):
+        lines += ["", "| strategy | kiln tok/s per rank | kiln peak GiB per rank | torch tok/s per rank | "
+                      "torch peak GiB per rank |", "|---|---|---|---|---|"]
+        for strategy in ("zero1", "zero2", "fsdp"):
+            cells = []
+            for fw in ("kiln", "torch"):
+                r = record["sharded"].get(fw, {}).get(strategy)
+                cells += [f"{np.mean(r['tokens_per_s_per_rank']):.0f}", f"{max(r['peak_gib_per_rank']):.2f}"] \
+                    if r else ["-", "-"]
+            if any(c != "-" for c in cells):
+                lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
