@@ -12,7 +12,7 @@ from kiln.autograd import Function
 from kiln.errors import ConfigError, NotBuiltError
 from kiln.nn import GPT, GPTConfig
 from kiln.optim import AdamW, gpt_param_groups
-from kiln.precision import Comparison, headline, reference_name
+from kiln.precision import Capture, Comparison, headline, reference_name
 
 CFG = GPTConfig(vocab_size=67, block_size=16, n_layer=3, n_head=2, n_embd=24)
 
@@ -134,13 +134,36 @@ def test_a_wrong_learning_rate_shows_as_trajectory_divergence():
     assert cmp.summary()["first_divergence"] == {"step": 2, "pass": "loss", "name": "loss"}
 
 
+def python_calls_of_a_step(model, idx, tgt) -> int:
+    """Python function calls made by one forward and backward (sys.setprofile's 'call' events)."""
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+    x, y = kiln.tensor(idx), kiln.tensor(tgt)
+    sys.setprofile(count)
+    try:
+        _, loss = model(x, y)
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
 def test_nothing_stays_wrapped_after_a_comparison():
-    """Off is the code that ran before: Function.apply and every module's forward are the originals."""
+    """Off is the code that ran before: Function.apply and every module's forward are the originals,
+    and a step after a comparison makes exactly the Python calls it made before one."""
     model, idx, tgt = model_and_batch("fp32")
     apply = Function.__dict__["apply"]
+    python_calls_of_a_step(model, idx, tgt)  # warm: first-use imports
+    before = python_calls_of_a_step(model, idx, tgt)
     Comparison(model, "fp32").step(idx, tgt)
     assert Function.__dict__["apply"] is apply
     assert all("forward" not in m.__dict__ and "add_forward" not in m.__dict__ for m in model.modules())
+    assert python_calls_of_a_step(model, idx, tgt) == before
+    with Capture(model):  # while on, every op pays: the count is a real measurement
+        assert python_calls_of_a_step(model, idx, tgt) > before
 
 
 def test_reference_names_of_the_fused_ops():
