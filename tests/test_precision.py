@@ -198,3 +198,22 @@ def test_kiln_compare_writes_the_tables_and_exits_1_on_a_divergence(tmp_path, ca
     assert main(args + ["--out", str(tmp_path / "b"), "--tolerance", "1e-12"]) == 1  # fp32 rounding is > 1e-12
     assert "FIRST DIVERGENCE" in capsys.readouterr().out
     assert main(args + ["--precision", "fp8"]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_model_against_pytorch_on_the_gpu(precision):
+    """kiln's CUDA kernels (the fused ones included) against PyTorch on the same GPU: no divergence,
+    and a planted wrong eps is still found where it is."""
+    model, idx, tgt = model_and_batch(precision)
+    model.to(kiln.device("cuda"))
+    if precision == "fp32":
+        kiln.device("cuda").backend.set_matmul_precision("fp32")
+    cmp = Comparison(model, precision)
+    s = cmp.step(idx, tgt)
+    assert cmp.summary()["first_divergence"] is None, headline(cmp.summary())
+    assert len(s["forward"]) == 3 + 9 * 3 + 3
+    model.h[0].ln_2.eps = 1e-1
+    s = Comparison(model, precision).step(idx, tgt)
+    assert s["first_forward_divergence"] == "h.0.ln_2"
