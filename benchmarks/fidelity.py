@@ -10,7 +10,7 @@ split; nothing is downloaded. Each (framework, mode) trains in its own subproces
 step replayed as a CUDA graph, as the Trainer does), PyTorch eager, and in bf16 torch.compile,
 whose gap from eager is the bf16 target. The schedule has the paper's shape: linear warm-up,
 cosine decay to a tenth; AdamW (0.9, 0.95), weight decay 0.1, clip 1.0. Writes
-benchmarks/results/fidelity-<date>.json, .md and .png; where kiln and eager part beyond the
+benchmarks/results/fidelity/fidelity-<date>.json, .md and .png; where kiln and eager part beyond the
 target, the precision logger (`kiln.precision`) runs one step at kiln's final weights and says where.
 """
 
@@ -308,7 +308,7 @@ def main() -> None:
                     help="run the precision logger at kiln's final weights when the target is missed (default), "
                          "always, or never")
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity"))
     ap.add_argument("--name", default=None, help="result file stem (default fidelity-<date>)")
     ap.add_argument("--framework", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)

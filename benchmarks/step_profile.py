@@ -7,7 +7,7 @@ profiler's own overhead (eager steps with it off and on).
 
 FLOPs and bytes per family come from kiln's profiler over eager steps of the same model and batch
 (each backend call's argument shapes); the graph's kernel times from CUPTI. Writes
-benchmarks/results/step_profile-<mode>-<date>.json and .md, and kiln's profile folder (report.html,
+benchmarks/results/step_profile/step_profile-<mode>-<date>.json and .md, and kiln's profile folder (report.html,
 trace.json, memory.png, ...) under --profile-dir.
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--eager-steps", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_profile"))
     ap.add_argument("--profile-dir", default=None, help="kiln's profile folder (default: <out>/step_profile-<mode>-<date>)")
     args = ap.parse_args()
 

@@ -12,7 +12,7 @@ from kiln.autograd import Function
 from kiln.errors import ConfigError, NotBuiltError
 from kiln.nn import GPT, GPTConfig
 from kiln.optim import AdamW, gpt_param_groups
-from kiln.precision import Comparison, headline, reference_name
+from kiln.precision import Capture, Comparison, headline, reference_name
 
 CFG = GPTConfig(vocab_size=67, block_size=16, n_layer=3, n_head=2, n_embd=24)
 
@@ -134,13 +134,36 @@ def test_a_wrong_learning_rate_shows_as_trajectory_divergence():
     assert cmp.summary()["first_divergence"] == {"step": 2, "pass": "loss", "name": "loss"}
 
 
+def python_calls_of_a_step(model, idx, tgt) -> int:
+    """Python function calls made by one forward and backward (sys.setprofile's 'call' events)."""
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+    x, y = kiln.tensor(idx), kiln.tensor(tgt)
+    sys.setprofile(count)
+    try:
+        _, loss = model(x, y)
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
 def test_nothing_stays_wrapped_after_a_comparison():
-    """Off is the code that ran before: Function.apply and every module's forward are the originals."""
+    """Off is the code that ran before: Function.apply and every module's forward are the originals,
+    and a step after a comparison makes exactly the Python calls it made before one."""
     model, idx, tgt = model_and_batch("fp32")
     apply = Function.__dict__["apply"]
+    python_calls_of_a_step(model, idx, tgt)  # warm: first-use imports
+    before = python_calls_of_a_step(model, idx, tgt)
     Comparison(model, "fp32").step(idx, tgt)
     assert Function.__dict__["apply"] is apply
     assert all("forward" not in m.__dict__ and "add_forward" not in m.__dict__ for m in model.modules())
+    assert python_calls_of_a_step(model, idx, tgt) == before
+    with Capture(model):  # while on, every op pays: the count is a real measurement
+        assert python_calls_of_a_step(model, idx, tgt) > before
 
 
 def test_reference_names_of_the_fused_ops():
@@ -175,3 +198,22 @@ def test_kiln_compare_writes_the_tables_and_exits_1_on_a_divergence(tmp_path, ca
     assert main(args + ["--out", str(tmp_path / "b"), "--tolerance", "1e-12"]) == 1  # fp32 rounding is > 1e-12
     assert "FIRST DIVERGENCE" in capsys.readouterr().out
     assert main(args + ["--precision", "fp8"]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_model_against_pytorch_on_the_gpu(precision):
+    """kiln's CUDA kernels (the fused ones included) against PyTorch on the same GPU: no divergence,
+    and a planted wrong eps is still found where it is."""
+    model, idx, tgt = model_and_batch(precision)
+    model.to(kiln.device("cuda"))
+    if precision == "fp32":
+        kiln.device("cuda").backend.set_matmul_precision("fp32")
+    cmp = Comparison(model, precision)
+    s = cmp.step(idx, tgt)
+    assert cmp.summary()["first_divergence"] is None, headline(cmp.summary())
+    assert len(s["forward"]) == 3 + 9 * 3 + 3
+    model.h[0].ln_2.eps = 1e-1
+    s = Comparison(model, precision).step(idx, tgt)
+    assert s["first_forward_divergence"] == "h.0.ln_2"
