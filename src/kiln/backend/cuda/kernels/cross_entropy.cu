@@ -173,3 +173,100 @@ __global__ void __launch_bounds__(kCeThreads) cross_entropy_fused(T* __restrict_
         }
     }
 }
+
+// cross_entropy_fused with the row held in registers: one read and one write of the logits
+// instead of two reads and a write. A block of 1024 threads keeps up to KP 16-byte packs per
+// thread (bf16/fp16, KP = 7: rows of up to 57344 logits, GPT-2's 50304 included) as raw words,
+// two logits a word (a bf16 element per register would not fit); the launcher takes it when V
+// is a multiple of 8, the rows 16-byte aligned and V / 8 <= KP * 1024.
+constexpr int kCeRegThreads = 1024;
+constexpr int kCeRegPacks = 7;
+
+__device__ __forceinline__ float2 unpack2(unsigned w, __nv_bfloat16) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+__device__ __forceinline__ float2 unpack2(unsigned w, __half) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ unsigned pack2(float a, float b, __nv_bfloat16) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+__device__ __forceinline__ unsigned pack2(float a, float b, __half) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
+template <typename T, typename I>
+__global__ void __launch_bounds__(kCeRegThreads, 1) cross_entropy_fused_reg(T* __restrict__ logits,
+                                                                           const I* __restrict__ targets,
+                                                                           float* __restrict__ loss_rows,
+                                                                           float* __restrict__ valid_rows,
+                                                                           const float* __restrict__ scale,
+                                                                           int V, long long ignore_index) {
+    const int row = blockIdx.x;
+    T* xr = logits + (long long)row * V;
+    uint4* xw = reinterpret_cast<uint4*>(xr);
+    const int np = V / 8;
+    const long long t = (long long)targets[row];
+    const bool ignored = t == ignore_index;
+    const bool in_range = t >= 0 && t < V;
+    uint4 r[kCeRegPacks];
+#pragma unroll
+    for (int k = 0; k < kCeRegPacks; ++k) {
+        const int p = threadIdx.x + k * kCeRegThreads;
+        if (p < np) r[k] = xw[p];
+    }
+    float xt = 0.0f;  // read before block_max_sum's barriers, so before any thread overwrites it
+    if (threadIdx.x == 0 && !ignored && in_range) xt = to_float(xr[t]);
+    float m = -KILN_INF;
+#pragma unroll
+    for (int k = 0; k < kCeRegPacks; ++k) {
+        if (threadIdx.x + k * kCeRegThreads < np) {
+            const unsigned w[4] = {r[k].x, r[k].y, r[k].z, r[k].w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 f = unpack2(w[q], T());
+                m = fmaxf(m, fmaxf(f.x, f.y));
+            }
+        }
+    }
+    float s = 0.0f;
+    if (m != -KILN_INF) {
+#pragma unroll
+        for (int k = 0; k < kCeRegPacks; ++k) {
+            if (threadIdx.x + k * kCeRegThreads < np) {
+                const unsigned w[4] = {r[k].x, r[k].y, r[k].z, r[k].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 f = unpack2(w[q], T());
+                    s += expf(f.x - m) + expf(f.y - m);
+                }
+            }
+        }
+    }
+    __shared__ float sm[kCeRegThreads / 32], ss[kCeRegThreads / 32];
+    const MaxSum st = block_max_sum<kCeRegThreads>(MaxSum{m, s}, sm, ss);
+    const float lse = st.m + logf(st.s);
+    if (threadIdx.x == 0) {
+        loss_rows[row] = ignored ? 0.0f : (in_range ? lse - xt : KILN_NAN);
+        valid_rows[row] = ignored ? 0.0f : 1.0f;
+    }
+    const float sc = ignored ? 0.0f : scale[0];
+#pragma unroll
+    for (int k = 0; k < kCeRegPacks; ++k) {
+        const int p = threadIdx.x + k * kCeRegThreads;
+        if (p < np) {
+            unsigned w[4] = {r[k].x, r[k].y, r[k].z, r[k].w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 f = unpack2(w[q], T());
+                const int c = p * 8 + 2 * q;
+                const float a = expf(f.x - lse) - (c == t ? 1.0f : 0.0f);
+                const float b = expf(f.y - lse) - (c + 1 == t ? 1.0f : 0.0f);
+                w[q] = ignored ? 0u : pack2(a * sc, b * sc, T());
+            }
+            xw[p] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
