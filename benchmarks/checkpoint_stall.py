@@ -7,7 +7,7 @@ bundled corpus, B16 T1024, checkpointing every --interval steps with the backgro
 checkpoint: the stall (the seconds `AsyncSaver.save` held the training loop), the part of it spent
 waiting for the previous checkpoint's write, that write's own time, and the time of the step
 after the checkpoint against the median step (the GPU's pause while the state is copied to host
-memory). Prints a table; writes benchmarks/results/checkpoint_stall-<date>.json.
+memory). Prints a table; writes benchmarks/results/checkpoint/checkpoint_stall-<date>.json.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--model", default="gpt2-124m", help="a preset (tiny on cpu: a smoke test)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "checkpoint"))
     args = ap.parse_args()
     from kiln.train import TrainConfig, Trainer
 

@@ -152,7 +152,8 @@ def bench_lm_head(k, iters):
     one 4096-row chunk (loss and in-place dlogits) against PyTorch's cross_entropy fwd+bwd on it."""
     import torch
     import torch.nn.functional as F
-    from kiln.backend.cuda.compiler import get_kernel, i32, i64
+
+    from kiln.backend.cuda.launch import get_kernel, i32, i64
     out = []
     n, c, v = 16384, 768, 50304
     gen = k.new_generator(0)

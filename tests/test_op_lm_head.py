@@ -128,9 +128,8 @@ def test_chunks_fit_the_budget_and_cover_the_rows():
 def test_cuda_fused_cross_entropy_kernel_matches_the_cpu_reference(dtype, tol, v, tdtype):
     """One launch: per-row losses and validity, and dlogits written over the logits in place."""
     from kiln.backend.cpu import cross_entropy as cpu_ce
-    from kiln.backend.cuda.compiler import get_kernel, i32, i64
     from kiln.backend.cuda.device import cupy
-    from kiln.backend.cuda.launch import ctype, idx_ctype
+    from kiln.backend.cuda.launch import ctype, get_kernel, i32, i64, idx_ctype
     cp = cupy()
     rng = np.random.default_rng()
     n = 67
