@@ -10,15 +10,10 @@ import kiln
 from kiln.backend.cpu import lm_head as cpu_lm_head
 from kiln.errors import AutogradError, DTypeError, ShapeError
 from kiln.nn import functional as F
+from tests.conftest import rel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 needs_gpu = pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU with CuPy")
-
-
-def rel(got, ref) -> float:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape and np.isfinite(got).all()
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 def problem(rng, n=37, c=24, v=53, ignore=5):
