@@ -1,13 +1,18 @@
 """GPT-2 124M training steps: kiln vs PyTorch eager vs torch.compile, on one GPU, in one call.
 
-    python benchmarks/gpt2_step.py [--modes fp32,tf32,bf16] [--steps 50] [--batch-size 16]
+    python benchmarks/gpt2_step.py [--modes fp32,tf32,bf16] [--steps 50] [--batch-size 16] [--max-autotune]
 
 Every (framework, mode) trains in its own subprocess from the same initial weights on the same
-batches (the bundled corpus as bytes, B x T tokens a step), with AdamW (fused in PyTorch),
-clipping at 1.0 and lr 6e-4. tokens/s is the median over the steps after --warmup; peak memory
-is the framework's own peak of allocated device memory; fidelity is the largest difference of
-the per-step losses against PyTorch eager in the same mode. Writes
-benchmarks/results/gpt2_step/gpt2_step-<date>.json and .md.
+batches (the bundled corpus as bytes, B x T tokens a step, uploaded before the first step), with
+AdamW (fused in PyTorch), clipping at 1.0 and lr 6e-4. PyTorch runs at its best: the GPT an
+nn.Module whose only output is the loss, compiled whole (`compile`: torch.compile's default
+mode; `compile-max`: mode max-autotune-no-cudagraphs, whose autotuning takes minutes, hence
+--max-autotune), SDPA, fused AdamW. No framework reads a value back inside the timed steps:
+tokens/s is the tokens of the steps after --warmup over their wall time (one device sync at
+each end), and the losses are read after. `kiln-whole-logits` is kiln with the LM head unfused
+(the [B*T, V] logits made whole), the A/B of the fused head. Peak memory is the framework's own
+peak of allocated device memory; fidelity is the largest difference of the per-step losses
+against PyTorch eager in the same mode. Writes benchmarks/results/gpt2_step/gpt2_step-<date>.json and .md.
 """
 
 from __future__ import annotations
@@ -20,8 +25,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,6 +51,7 @@ def run_kiln(args, batches):
     from kiln.optim import AdamW, gpt_param_groups
     from kiln.train import apply_precision
     model, _ = _model(args)
+    model.fused_lm_head = args.framework != "kiln-whole-logits"
     dev = kiln.device("cuda")
     model.to(dev)
     apply_precision(model, args.mode, dev)
@@ -63,58 +67,82 @@ def run_kiln(args, batches):
         return loss
 
     graph = CapturedStep(step) if args.cuda_graph else None
-    losses, times = [], []
-    for i, (x, y) in enumerate(batches):
+    on_device = [(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev)) for x, y in batches]
+    losses, t0 = [], None
+    for i, (xs, ys) in enumerate(on_device):
         if i == 1:
             backend.end_warmup()  # the paper's allocator: learn the rounding, return step 0's cache
-        t0 = time.perf_counter()
-        xs, ys = kiln.tensor(x, device=dev), kiln.tensor(y, device=dev)
+        if i == args.warmup:
+            backend.synchronize()
+            t0 = time.perf_counter()
         # as the Trainer: two eager steps warm kernels, GEMM plans and the allocator, then one graph
         loss = graph(xs, ys) if graph is not None and i >= 2 else step(xs, ys)
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
+        backend.stream()
+        losses.append(loss.data.copy())  # a graph's output is overwritten by the next replay
+    backend.synchronize()
+    elapsed = time.perf_counter() - t0
     stats = backend.memory_stats()
     if args.kernel_profile:
-        xs, ys = kiln.tensor(batches[-1][0], device=dev), kiln.tensor(batches[-1][1], device=dev)
+        xs, ys = on_device[-1]
         _profile_kernels(lambda: (graph(xs, ys) if graph is not None else step(xs, ys)).item(), args)
-    return losses, times, stats["peak_allocated_bytes"], stats
+    return [float(v) for v in losses], elapsed, stats["peak_allocated_bytes"], stats
 
 
-def run_torch(args, batches, compiled: bool):
+COMPILE_MODES = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"}
+
+
+def run_torch(args, batches):
     import torch
 
     from tests.torch_gpt import torch_gpt_forward, torch_params
+
+    class TorchGPT(torch.nn.Module):
+        """The peer GPT as one nn.Module whose only output is the loss (nanoGPT's shape)."""
+
+        def __init__(self, params, cfg):
+            super().__init__()
+            self.names = list(params)
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(v) for v in params.values())
+            self.cfg = cfg
+
+        def forward(self, idx, targets):
+            return torch_gpt_forward(dict(zip(self.names, self.weights)), self.cfg, idx, targets)[1]
+
     model, cfg = _model(args)
-    params = {k: v.detach().cuda().requires_grad_(True) for k, v in torch_params(model, torch.float32).items()}
+    net = TorchGPT({k: v.detach().cuda() for k, v in torch_params(model, torch.float32).items()}, cfg)
     torch.backends.cuda.matmul.allow_tf32 = args.mode == "tf32"
     torch.backends.cudnn.allow_tf32 = args.mode == "tf32"
-    decay = [p for p in params.values() if p.ndim >= 2]
-    no_decay = [p for p in params.values() if p.ndim < 2]
+    plist = list(net.parameters())
+    decay = [p for p in plist if p.ndim >= 2]
+    no_decay = [p for p in plist if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    fwd = torch.compile(torch_gpt_forward) if compiled else torch_gpt_forward
-    plist = list(params.values())
+    fwd = torch.compile(net, mode=COMPILE_MODES[args.framework]) if args.framework in COMPILE_MODES else net
 
     def step(xs, ys):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.mode == "bf16"):
-            _, loss = fwd(params, cfg, xs, ys)
+            loss = fwd(xs, ys)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(plist, 1.0)
         opt.step()
-        return loss.item()
+        return loss.detach()
 
-    losses, times = [], []
+    on_device = [(torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()) for x, y in batches]
+    losses, t0 = [], None
     torch.cuda.reset_peak_memory_stats()
-    for x, y in batches:
-        t0 = time.perf_counter()
-        losses.append(step(torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()))
-        times.append(time.perf_counter() - t0)
+    for i, (xs, ys) in enumerate(on_device):
+        if i == args.warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        losses.append(step(xs, ys))
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated()
     if args.kernel_profile:
-        xs, ys = torch.from_numpy(batches[-1][0]).cuda(), torch.from_numpy(batches[-1][1]).cuda()
-        _profile_kernels(lambda: step(xs, ys), args)
-    return losses, times, peak, {}
+        xs, ys = on_device[-1]
+        _profile_kernels(lambda: step(xs, ys).item(), args)
+    return [float(v) for v in losses], elapsed, peak, {}
 
 
 def _profile_kernels(one_step, args, steps: int = 3) -> None:
@@ -137,21 +165,23 @@ def _profile_kernels(one_step, args, steps: int = 3) -> None:
 
 def worker(args) -> dict:
     batches = _batches(args.steps, args.batch_size, args.seq_len)
-    if args.framework == "kiln":
-        losses, times, peak, extra = run_kiln(args, batches)
-    else:
-        losses, times, peak, extra = run_torch(args, batches, args.framework == "compile")
-    timed = np.array(times[args.warmup:])
+    run = run_kiln if args.framework.startswith("kiln") else run_torch
+    losses, elapsed, peak, extra = run(args, batches)
+    timed = args.steps - args.warmup
     tokens = args.batch_size * args.seq_len
-    return {"framework": args.framework, "mode": args.mode, "tokens_per_s": tokens / float(np.median(timed)),
-            "median_step_ms": 1000 * float(np.median(timed)), "peak_allocated_gib": peak / 2**30,
-            "losses": losses, "step_ms": [1000 * t for t in times], "memory": extra}
+    return {"framework": args.framework, "mode": args.mode, "tokens_per_s": tokens * timed / elapsed,
+            "mean_step_ms": 1000 * elapsed / timed, "peak_allocated_gib": peak / 2**30,
+            "losses": losses, "memory": extra}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="fp32,tf32,bf16")
-    ap.add_argument("--frameworks", default="kiln,eager,compile")
+    ap.add_argument("--frameworks", default="kiln,eager,compile",
+                    help="of kiln, kiln-whole-logits, eager, compile, compile-max")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="add compile-max (torch.compile mode max-autotune-no-cudagraphs: minutes of autotuning)")
+    ap.add_argument("--worker-timeout", type=float, default=900, help="seconds one (framework, mode) may take")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -168,16 +198,24 @@ def main() -> None:
     if args.framework:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
+    frameworks = args.frameworks.split(",") + (["compile-max"] if args.max_autotune else [])
     rows = []
     for mode in args.modes.split(","):
-        for fw in args.frameworks.split(","):
+        for fw in frameworks:
             cmd = [sys.executable, __file__, "--framework", fw, "--mode", mode, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
                    "--seq-len", str(args.seq_len), "--n-layer", str(args.n_layer)] + \
                   ([] if args.cuda_graph else ["--no-cuda-graph"]) + \
                   (["--kernel-profile", args.kernel_profile] if args.kernel_profile else [])
             t0 = time.time()
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{fw} {mode}: over --worker-timeout ({args.worker_timeout:.0f} s)", flush=True)
+                rows.append({"framework": fw, "mode": mode, "error": f"timed out after {args.worker_timeout:.0f} s"})
+                continue
             line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
             if done.returncode or not line:
                 print(f"{fw} {mode}: FAILED\n{done.stderr[-3000:]}", flush=True)
@@ -195,9 +233,13 @@ def main() -> None:
             r["max_loss_diff_vs_eager"] = float(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])))
             r["tokens_per_s_vs_eager"] = r["tokens_per_s"] / ref["tokens_per_s"]
             r["memory_vs_eager"] = r["peak_allocated_gib"] / ref["peak_allocated_gib"]
-        comp = by.get(("compile", r["mode"]))
-        if "error" not in r and comp:
-            r["tokens_per_s_vs_compile"] = r["tokens_per_s"] / comp["tokens_per_s"]
+        # PyTorch at its best: the faster of its compile modes
+        comps = [by[(f, r["mode"])] for f in COMPILE_MODES if (f, r["mode"]) in by]
+        if "error" not in r and comps:
+            best = max(comps, key=lambda c: c["tokens_per_s"])
+            r["best_compile"] = best["framework"]
+            r["tokens_per_s_vs_compile"] = r["tokens_per_s"] / best["tokens_per_s"]
+            r["memory_vs_compile"] = r["peak_allocated_gib"] / best["peak_allocated_gib"]
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     import torch
@@ -212,16 +254,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpt2_step-{date}.json").write_text(json.dumps(record, indent=2))
-    lines = ["| framework | mode | tokens/s | vs eager | vs compile | peak GiB | vs eager | max loss diff |",
-             "|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    lines = ["| framework | mode | tokens/s | vs eager | vs best compile | peak GiB | vs eager | vs best compile "
+             "| max loss diff vs eager |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['framework']} | {r['mode']} | failed | | | | | |")
+            lines.append(f"| {r['framework']} | {r['mode']} | failed | | | | | | |")
             continue
         lines.append(f"| {r['framework']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
-                     f"{r.get('tokens_per_s_vs_eager', float('nan')):.2f} | {r.get('tokens_per_s_vs_compile', float('nan')):.2f} | "
-                     f"{r['peak_allocated_gib']:.2f} | {r.get('memory_vs_eager', float('nan')):.2f} | "
-                     f"{r.get('max_loss_diff_vs_eager', float('nan')):.2e} |")
+                     f"{r.get('tokens_per_s_vs_eager', nan):.2f} | {r.get('tokens_per_s_vs_compile', nan):.2f} | "
+                     f"{r['peak_allocated_gib']:.2f} | {r.get('memory_vs_eager', nan):.2f} | "
+                     f"{r.get('memory_vs_compile', nan):.2f} | {r.get('max_loss_diff_vs_eager', nan):.2e} |")
     (out / f"gpt2_step-{date}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

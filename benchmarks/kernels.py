@@ -146,6 +146,60 @@ def bench_cross_entropy(k, iters):
     return out
 
 
+def bench_lm_head(k, iters):
+    """GPT-2 124M's LM head and loss at B16 T1024 in bf16: kiln's fused chunks against kiln's and
+    PyTorch's unfused linear + cross_entropy (forward and backward); and the fused kernel alone on
+    one 4096-row chunk (loss and in-place dlogits) against PyTorch's cross_entropy fwd+bwd on it."""
+    import torch
+    import torch.nn.functional as F
+
+    from kiln.backend.cuda.launch import get_kernel, i32, i64
+    out = []
+    n, c, v = 16384, 768, 50304
+    gen = k.new_generator(0)
+    x, w = k.rng_normal(gen, (n, c), BF16), k.rng_normal(gen, (v, c), BF16)
+    targets = k.asarray(np.random.default_rng(0).integers(0, v, n))
+    one = k.asarray(np.float32(1.0))
+    tx = torch.randn(n, c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tw = torch.randn(v, c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tt = torch.randint(0, v, (n,), device="cuda")
+
+    def torch_unfused():
+        tx.grad = tw.grad = None
+        F.cross_entropy(F.linear(tx, tw).float(), tt).backward()
+
+    def kiln_fused():
+        loss, dx, dw = k.lm_head_xent_fwd(x, w, targets, -100)
+        return k.lm_head_xent_bwd(one, dx, dw, w.dtype)
+
+    def kiln_unfused():
+        logits = k.linear_fwd(x, w, None)
+        loss, lse = k.cross_entropy_fwd(logits, targets, -100)
+        dlogits = k.cross_entropy_bwd(one, logits, targets, lse, -100)
+        return k.linear_bwd(dlogits, x, w, True, True, False)
+
+    flops = 3 * 2 * n * c * v
+    out.append(_row("lm_head", "fused chunks fwd+bwd", BF16, (n, c, v), kiln_fused, torch_unfused, iters, flops=flops))
+    out.append(_row("lm_head", "unfused fwd+bwd", BF16, (n, c, v), kiln_unfused, torch_unfused, iters, flops=flops))
+    rows = 4096
+    logits = k.rng_normal(gen, (rows, v), BF16)
+    tl = torch.randn(rows, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tt4 = tt[:rows]
+    losses = k.empty((2 * rows,), np.float32)
+    kern = get_kernel("cross_entropy.cu", "cross_entropy_fused<__nv_bfloat16, long long>")
+
+    def kiln_chunk():
+        kern((rows,), (512,), (logits, targets[:rows], losses, losses[rows:], one, i32(v), i64(-100)))
+
+    def torch_chunk():
+        tl.grad = None
+        F.cross_entropy(tl.float(), tt4).backward()
+
+    # bytes: the logits read twice and dlogits written once (the kernel's two passes)
+    out.append(_row("lm_head", "fused chunk", BF16, (rows, v), kiln_chunk, torch_chunk, iters, nbytes=3 * rows * v * 2))
+    return out
+
+
 def gpt2_param_shapes():
     shapes = [(50304, 768), (1024, 768)]
     for _ in range(12):
@@ -308,7 +362,7 @@ def _row(family, op, dtype, shape, kfn, tfn, iters, nbytes=None, flops=None):
 
 BENCHES = {"gelu": bench_gelu, "layer_norm": bench_layer_norm, "cross_entropy": bench_cross_entropy,
            "adamw": bench_adamw, "grad_norm": bench_grad_norm, "embedding": bench_embedding,
-           "attention": bench_attention}
+           "attention": bench_attention, "lm_head": bench_lm_head}
 
 
 def main(argv=None) -> int:

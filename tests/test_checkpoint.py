@@ -463,3 +463,26 @@ def test_resume_moves_between_cpu_and_cuda(tmp_path):
         assert t.step == 3 and str(t.device).startswith(then)
         t.fit()
         np.testing.assert_allclose(_losses(moved)[3:], ref[3:], rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("kiln").cuda_is_available(), reason="needs an NVIDIA GPU with CuPy")
+def test_async_save_of_device_arrays_writes_the_snapshot_without_a_host_wait(tmp_path):
+    """Device arrays go to pinned memory on a side stream; kiln's stream waits for those copies on
+    the GPU, so a kernel queued right after the save (the next step) cannot change what is written."""
+    import kiln
+    gpu = kiln.device("cuda").backend
+    rng, _ = fresh_rng()
+    host = [rng.standard_normal((1024, 1024)).astype(np.float32) for _ in range(8)]
+    params = [gpu.asarray(p) for p in host]
+    saver = AsyncSaver()
+    for name in ("a", "b"):  # the second save reuses the pinned buffers
+        saver.save(tmp_path / f"{name}.kiln", {"p": params, "step": 7})
+        for p in params:  # queued at once on kiln's stream, as the next step's AdamW would be
+            p *= 3.0
+        saver.wait()
+        back = load(tmp_path / f"{name}.kiln")
+        for got, want in zip(back["p"], host):
+            assert np.array_equal(got, want)
+        host = [h * np.float32(3.0) for h in host]
+    assert np.array_equal(gpu.to_numpy(params[0]), host[0])

@@ -105,6 +105,24 @@ def test_gemm_gelu_aux_bias_epilogue(gpu):
     assert rel(gpu.to_numpy(c), cpu.gelu_fwd(pre)) <= 1e-3  # cuBLASLt's GELU approximation
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["fp32", "bf16"])
+def test_gemm_accumulates_into_float32(gpu, dtype):
+    """out (+)= A^T @ B with out float32 (bf16 operands too) and beta = 1: the fused LM head's dweight."""
+    from kiln.backend.cuda import cublaslt
+    rng = np.random.default_rng()
+    m, n, k = 80, 48, 40
+    a, b = rng.standard_normal((k, m)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    start = rng.standard_normal((m, n)).astype(np.float32)
+    out = gpu.asarray(start)
+    cublaslt.gemm(gpu.asarray(a), gpu.asarray(b), out, m=m, n=n, k=k, trans_a=True, accumulate=True)
+    ref = start + a.astype(np.float64).T @ b.astype(np.float64)
+    assert rel(gpu.to_numpy(out), ref) <= 1e-5
+    cublaslt.gemm(gpu.asarray(a), gpu.asarray(b), out, m=m, n=n, k=k, trans_a=True)  # beta = 0: overwritten
+    assert rel(gpu.to_numpy(out), ref - start) <= 1e-5
+    with pytest.raises(kiln.KilnError, match="into"):
+        cublaslt.gemm(gpu.asarray(a), gpu.asarray(b), gpu.empty((m, n), np.float64), m=m, n=n, k=k, trans_a=True)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_linear_gelu_fwd_matches_the_cpu_backend(gpu, dtype):
     """bf16: the GELU_AUX_BIAS epilogue (gelu and the pre-activation from one GEMM); fp32: GEMM + kiln's GELU."""

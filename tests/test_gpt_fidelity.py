@@ -18,17 +18,24 @@ def batch(rng, b=3, t=16):
     return idx, rng.integers(0, CFG.vocab_size, (b, t))
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
-def test_loss_logits_and_grads_match_pytorch(dtype, tol, tie):
+def test_loss_logits_and_grads_match_pytorch(dtype, tol, tie, fused):
+    """With the fused LM head (the default) and with whole logits (fused_lm_head = False)."""
     rng = np.random.default_rng()
     cfg = GPTConfig(**{**CFG.__dict__, "tie_weights": tie})
     model = GPT(cfg, generator=kiln.Generator(int(rng.integers(1 << 30)))).to(dtype=dtype)
+    model.fused_lm_head = fused
     tdt = torch.float64 if dtype == "float64" else torch.float32
     tp = torch_params(model, tdt)
     idx, tgt = batch(rng)
     logits, loss = model(kiln.tensor(idx), kiln.tensor(tgt))
     loss.backward()
+    if fused:
+        assert logits is None
+        with kiln.no_grad():
+            logits, _ = model(kiln.tensor(idx))
     t_logits, t_loss = torch_gpt_forward(tp, cfg, torch.tensor(idx), torch.tensor(tgt))
     t_loss.backward()
     assert rel(loss.item(), t_loss.item()) <= tol

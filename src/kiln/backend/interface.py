@@ -17,6 +17,7 @@ KERNELS = (
     "gelu_fwd", "gelu_bwd",                                                    # gelu
     "softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_bwd",        # softmax
     "cross_entropy_fwd", "cross_entropy_bwd",                                  # cross_entropy
+    "lm_head_xent_fwd", "lm_head_xent_bwd",                                    # lm_head
     "attention_fwd", "attention_bwd",                                          # attention
     "dropout_fwd",                                                             # dropout
     "adamw_step", "grad_norm", "scale_",                                       # adamw

@@ -1,5 +1,11 @@
-"""Asynchronous save: the step waits only while the state is copied to host memory; a background
-thread writes the file (the paper's "asynchronous staging path", Appendix B.14).
+"""Asynchronous save: the step waits only while the state's copy to host memory is queued; a
+background thread writes the file (the paper's "asynchronous staging path", Appendix B.14).
+
+Device arrays are copied into pinned host buffers on a side stream, after the work already queued
+on kiln's stream, and kiln's stream then waits for those copies on the GPU (the next step's AdamW
+must not change an array mid-copy): the host never waits for the GPU, and the GPU pauses only for
+the copy itself (1.49 GB for GPT-2 124M with AdamW: ~21 ms on the H200) when the next step's
+kernels reach it first. The writer thread waits for the copies before it writes.
 
 At most one save is in flight: the next one first waits for it. A background failure is kept and
 raised by the next `check()` (the Trainer calls it every step), never swallowed.
@@ -42,6 +48,7 @@ class HostStaging:
 
     def __init__(self, threads: int | None = None):
         self._buffers: dict = {}
+        self._side_stream = None  # the device-to-host copies' stream, made at the first device save
         self._pool = ThreadPoolExecutor(max_workers=threads or max(1, os.cpu_count() or 1),
                                         thread_name_prefix="kiln-ckpt-copy")
 
@@ -56,7 +63,8 @@ class HostStaging:
         return buf
 
     def snapshot(self, state):
-        """A copy of the tree whose arrays are host NumPy arrays that training no longer touches."""
+        """(tree, ready): a copy of the tree whose arrays are host NumPy arrays that training no longer
+        touches, complete once ready() returns (ready is None when nothing was left in flight)."""
         jobs, device_copies = [], []
 
         def walk(node, path):
@@ -71,14 +79,24 @@ class HostStaging:
             return node
 
         tree = walk(state, ())
+        ready = None
         if device_copies:
-            # Device arrays: asynchronous copies on kiln's stream (so they follow the step's
-            # kernels), into pinned buffers, then one wait for all of them.
+            # Device arrays: asynchronous copies into pinned buffers on the side stream, after the
+            # work queued on kiln's stream; kiln's stream's later work waits for them (on the GPU).
             backend = array_backend(device_copies[0][1])
-            stream = backend.stream()
+            main = backend.stream()
+            if self._side_stream is None:
+                self._side_stream = backend.new_stream()
+            side = self._side_stream
+            queued = backend.event()
+            queued.record(main)
+            side.wait_event(queued)
             for buf, a in device_copies:
-                backend.copy_async(buf, a, stream)
-            stream.synchronize()
+                backend.copy_async(buf, a, side)
+            copied = backend.event()
+            copied.record(side)
+            main.wait_event(copied)
+            ready = copied.synchronize
         # NumPy arrays: chunked copies on all cores (np.copyto releases the GIL)
         pieces = []
         for buf, a in jobs:
@@ -87,7 +105,7 @@ class HostStaging:
             pieces += [(flat_dst[i:i + step], flat_src[i:i + step]) for i in range(0, flat_src.size, step)]
         for fut in [self._pool.submit(np.copyto, d, s) for d, s in pieces]:
             fut.result()
-        return tree
+        return tree, ready
 
 
 class AsyncSaver:
@@ -100,6 +118,7 @@ class AsyncSaver:
         self._error_path = None
         self.last_result: dict | None = None
         self.last_write_s: float | None = None  # seconds the last background write took
+        self.last_wait_s: float | None = None  # of the last stall: seconds waiting for the save before it
 
     @property
     def in_flight(self) -> bool:
@@ -111,15 +130,18 @@ class AsyncSaver:
         save still in flight (and raises its error)."""
         t0 = time.perf_counter()
         self.wait()
-        host = self._staging.snapshot(state)
-        self._thread = threading.Thread(target=self._write, args=(path, host, on_done),
+        self.last_wait_s = time.perf_counter() - t0
+        host, ready = self._staging.snapshot(state)
+        self._thread = threading.Thread(target=self._write, args=(path, host, ready, on_done),
                                         name="kiln-checkpoint-writer", daemon=False)
         self._thread.start()
         return time.perf_counter() - t0
 
-    def _write(self, path, host, on_done) -> None:
-        t0 = time.perf_counter()
+    def _write(self, path, host, ready, on_done) -> None:
         try:
+            if ready is not None:
+                ready()  # the device-to-host copies have landed
+            t0 = time.perf_counter()
             result = save(path, host)
             self.last_write_s = time.perf_counter() - t0
             if on_done is not None:

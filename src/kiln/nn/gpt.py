@@ -156,6 +156,9 @@ class GPT(Module):
         super().__init__()
         self.config = cfg
         self.compute_dtype = None  # e.g. kiln.bfloat16: activations in bf16 over fp32 weights
+        # With targets, the LM head and the loss are one chunked op (F.lm_head_cross_entropy) and
+        # forward returns no logits; False makes the [B, T, V] logits whole and returns them too.
+        self.fused_lm_head = True
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, generator=generator)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, generator=generator)
         self.drop = Dropout(cfg.dropout)
@@ -165,7 +168,8 @@ class GPT(Module):
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, generator=generator)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
-        """(logits [B, T, V], loss or None) for token ids idx [B, T]."""
+        """(logits [B, T, V], loss or None) for token ids idx [B, T]; with targets and the fused LM
+        head (the default), (None, loss): the logits are never made whole."""
         b, t = idx.shape
         if t > self.config.block_size:
             raise ConfigError(f"sequence of length {t} is longer than the model's context "
@@ -183,6 +187,8 @@ class GPT(Module):
             x, h = block(x, h, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f)
         x = h
         head = self.wte.weight if self.config.tie_weights else self.lm_head.weight
+        if targets is not None and self.fused_lm_head:
+            return None, F.lm_head_cross_entropy(x, as_dtype_of(head, x), targets)
         logits = F.linear(x, as_dtype_of(head, x))
         loss = None if targets is None else F.cross_entropy(logits, targets)
         return logits, loss

@@ -82,7 +82,9 @@ class Capture:
     """Records the ops of `model` (kiln's GPT, or any module with the same names) while open.
 
     names: keep only records whose reference name matches one of these fnmatch patterns (all
-    when None). unmapped lists the (path, op) pairs that have no reference counterpart."""
+    when None). unmapped lists the (path, op) pairs that have no reference counterpart. The LM
+    head's logits are compared, so while open the model makes them whole (its fused_lm_head, when
+    it has one, is off until exit)."""
 
     def __init__(self, model, names=None):
         self.model = model
@@ -92,6 +94,7 @@ class Capture:
         self.unmapped: set = set()
         self._stack = [""]
         self._wrapped = []
+        self._fused_lm_head = None
 
     def __enter__(self):
         import fnmatch
@@ -129,6 +132,8 @@ class Capture:
             return tuple(tapped) if isinstance(out, tuple) else tapped[0]
 
         Function.apply = classmethod(recording_apply)
+        if getattr(self.model, "fused_lm_head", False):
+            self._fused_lm_head, self.model.fused_lm_head = True, False
         for path, module in self.model.named_modules():
             for attr in [a for a in dir(type(module)) if a.endswith("forward")]:
                 bound = getattr(module, attr)
@@ -149,6 +154,8 @@ class Capture:
 
     def __exit__(self, *exc):
         Function.apply = self._original
+        if self._fused_lm_head:
+            self.model.fused_lm_head, self._fused_lm_head = True, None
         for module, attr in self._wrapped:
             del module.__dict__[attr]
         self._wrapped.clear()

@@ -16,7 +16,8 @@ FAMILIES = {  # backend kernel -> the kernel family (DESIGN.md) its time is repo
     "layer_norm_fwd": "layer_norm", "layer_norm_bwd": "layer_norm", "add_layer_norm_fwd": "layer_norm",
     "add_layer_norm_bwd": "layer_norm", "gelu_fwd": "gelu", "gelu_bwd": "gelu", "softmax_fwd": "softmax",
     "softmax_bwd": "softmax", "log_softmax_fwd": "softmax", "log_softmax_bwd": "softmax",
-    "cross_entropy_fwd": "cross_entropy", "cross_entropy_bwd": "cross_entropy", "attention_fwd": "attention",
+    "cross_entropy_fwd": "cross_entropy", "cross_entropy_bwd": "cross_entropy",
+    "lm_head_xent_fwd": "lm_head", "lm_head_xent_bwd": "lm_head", "attention_fwd": "attention",
     "attention_bwd": "attention", "dropout_fwd": "dropout", "adamw_step": "adamw", "grad_norm": "adamw",
     "scale_": "adamw", "add": "elementwise", "cast": "elementwise",
 }
@@ -44,6 +45,10 @@ def kernel_flops(name: str, args, out) -> int:
         g, x, w, need_dx, need_dw = args[:5]
         k = x.shape[1] if x is not None else w.shape[1]
         return 2 * g.shape[0] * g.shape[1] * k * (bool(need_dx) + bool(need_dw))
+    if name == "lm_head_xent_fwd":  # the logits GEMM, then dx's and dweight's (made in the forward)
+        x, w = args[0], args[1]
+        need_dx, need_dw = (tuple(args[5:7]) + (True, True))[:2]
+        return 2 * x.shape[0] * x.shape[1] * w.shape[0] * (1 + bool(need_dx) + bool(need_dw))
     if name == "matmul":
         a = args[0]
         n = 1

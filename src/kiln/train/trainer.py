@@ -528,7 +528,7 @@ class Trainer:
 
     def save_checkpoint(self, checkpoints, saver=None) -> int:
         """Save the state as checkpoints/ckpt-<step>.kiln, in the background when a saver is given
-        (the step waits only for the host copy); returns the step saved."""
+        (the step waits only while its copy to host memory is queued); returns the step saved."""
         from kiln.checkpoint import save
         from kiln.checkpoint.async_save import to_host
         path = checkpoints.path_for(self.step)

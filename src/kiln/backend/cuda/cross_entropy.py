@@ -15,6 +15,7 @@ from kiln.backend.cuda.launch import as_index, contiguous, cpu_fallback, ctype, 
 ROW_THREADS = 512  # one block per row (kCeThreads)
 register_family("cross_entropy.cu", [f"cross_entropy_fwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]
                 + [f"cross_entropy_bwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]
+                + [f"cross_entropy_fused<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]  # lm_head.py
                 + [f"cross_entropy_count<{i}>" for i in INDEX_CTYPES] + ["cross_entropy_mean"],
                 defines={"KILN_CE_THREADS": ROW_THREADS})
 

@@ -237,14 +237,17 @@ class _Plan:
     """A cached matmul descriptor, four layouts and the heuristic's algorithm for one GEMM shape."""
 
     def __init__(self, key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides, epilogue,
-                 aligns, aux_ld, vec_aligns):
+                 aligns, aux_ld, vec_aligns, out_dtype=None, accumulate=False):
         lib = _load_library()
         ctx = _context()
         self.lib = lib
+        out_dtype = dtype if out_dtype is None else out_dtype
         what = (f"{np.dtype(dtype).name} GEMM m={m} n={n} k={k} trans_a={trans_a} trans_b={trans_b} "
-                f"lda={lda} ldb={ldb} ldc={ldc} batch={batch} epilogue={epilogue}")
+                f"lda={lda} ldb={ldb} ldc={ldc} batch={batch} epilogue={epilogue} out={np.dtype(out_dtype).name} "
+                f"accumulate={accumulate}")
         self.what = what
         dt = DTYPES[np.dtype(dtype).name]
+        dt_out = DTYPES[np.dtype(out_dtype).name]
         (op_a, ra, ca, la), (op_b, rb, cb, lb), (rc, cc, lc) = lt_problem(m, n, k, trans_a, trans_b, lda, ldb, ldc)
         self.desc = _vp()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), compute_type(dtype), CUDA_R_32F),
@@ -261,9 +264,10 @@ class _Plan:
                  ctypes.c_int64(aux_ld))
         self.layouts = []
         sa, sb, sc = strides
-        for rows, cols, ld, stride in ((ra, ca, la, sb), (rb, cb, lb, sa), (rc, cc, lc, sc), (rc, cc, lc, sc)):
+        for rows, cols, ld, stride, ldt in ((ra, ca, la, sb, dt), (rb, cb, lb, sa, dt), (rc, cc, lc, sc, dt_out),
+                                            (rc, cc, lc, sc, dt_out)):
             lay = _vp()
-            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dt, rows, cols, ld),
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), ldt, rows, cols, ld),
                    "cublasLtMatrixLayoutCreate", what)
             if batch > 1:
                 _set(lib.cublasLtMatrixLayoutSetAttribute, lay, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
@@ -301,7 +305,7 @@ class _Plan:
         if count.value < 1 or self.result.state != 0:
             raise CublasError(f"cuBLASLt has no algorithm for {what} (compute type {compute_type(dtype)})")
         self.alpha = ctypes.c_float(1.0)
-        self.beta = ctypes.c_float(0.0)
+        self.beta = ctypes.c_float(1.0 if accumulate else 0.0)
 
     def set_pointer(self, attr: int, ptr: int) -> None:
         _set(self.lib.cublasLtMatmulDescSetAttribute, self.desc, attr, _vp(ptr))
@@ -309,7 +313,7 @@ class _Plan:
     def run(self, a_ptr, b_ptr, c_ptr) -> None:
         ctx = _context()
         la, lb, lc, ld = self.layouts
-        # cuBLASLt's A is our B, its B is our A; C = D (beta = 0, C is not read).
+        # cuBLASLt's A is our B, its B is our A; C = D (read only when accumulating: beta = 1).
         _check(self.lib.cublasLtMatmul(ctx.handle, self.desc, ctypes.byref(self.alpha), _vp(b_ptr), la,
                                        _vp(a_ptr), lb, ctypes.byref(self.beta), _vp(c_ptr), lc, _vp(c_ptr), ld,
                                        ctypes.byref(self.result.algo), _vp(ctx.workspace.data.ptr),
@@ -319,7 +323,7 @@ class _Plan:
 
 def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
          batch=1, stride_a=0, stride_b=0, stride_c=0, bias=None, epilogue="default", aux=None,
-         aux_ld=0):
+         aux_ld=0, accumulate=False):
     """Row-major out[m, n] = op(A) @ op(B) (+ epilogue) on device buffers, on kiln's stream.
 
     A is [m, k] with row stride lda, or with trans_a stored [k, m]; B is [k, n] with row
@@ -327,10 +331,18 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
     CuPy arrays whose first element is the first matrix. Epilogues: "bias" adds bias[n];
     "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld);
     "bgradb" writes bias[m] = sum_k op(A)[m, k] (the bias gradient of a dW GEMM).
+    `out` is A's and B's dtype, or float32 for bfloat16/float16 operands (fp32 accumulation kept
+    in the output); with accumulate, out += op(A) @ op(B) in place (beta = 1: in the GEMM, in a
+    fixed order, e.g. a weight gradient summed over chunks of rows).
     """
     if epilogue not in EPILOGUES:
         raise ConfigError(f"unknown GEMM epilogue {epilogue!r}; allowed: {', '.join(EPILOGUES)}")
-    dtype = out.dtype
+    dtype = np.dtype(a.dtype)
+    if np.dtype(b.dtype) != dtype or (np.dtype(out.dtype) != dtype and not (
+            np.dtype(out.dtype).name == "float32" and dtype.name in ("bfloat16", "float16"))):
+        raise ConfigError(f"GEMM operands {np.dtype(a.dtype).name} and {np.dtype(b.dtype).name} into "
+                          f"{np.dtype(out.dtype).name}: allowed are one dtype throughout, or bfloat16/float16 "
+                          "operands into float32")
     lda = lda if lda is not None else (m if trans_a else k)
     ldb = ldb if ldb is not None else (k if trans_b else n)
     ldc = ldc if ldc is not None else n
@@ -340,11 +352,12 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
                   _alignment(rt.ptr(aux)) if aux is not None else 256)
     strides = (int(stride_a), int(stride_b), int(stride_c))
     key = (rt.device_id(), np.dtype(dtype).name, compute_type(dtype), m, n, k, bool(trans_a), bool(trans_b),
-           lda, ldb, ldc, batch, strides if batch > 1 else (0, 0, 0), epilogue, aligns, aux_ld, vec_aligns)
+           lda, ldb, ldc, batch, strides if batch > 1 else (0, 0, 0), epilogue, aligns, aux_ld, vec_aligns,
+           np.dtype(out.dtype).name, bool(accumulate))
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides,
-                                   epilogue, aligns, aux_ld, vec_aligns)
+                                   epilogue, aligns, aux_ld, vec_aligns, out.dtype, accumulate)
     if epilogue != "default":
         if bias is None:
             raise ConfigError(f"GEMM epilogue {epilogue!r} needs a bias (or bias-gradient) buffer")

@@ -98,3 +98,78 @@ __global__ void __launch_bounds__(kCeThreads) cross_entropy_bwd(const T* __restr
         }
     }
 }
+
+// Forward and backward of one chunk of rows in one launch, in place: a block per row finds the
+// row's log-sum-exp (one pass), writes its loss and validity, then overwrites the logits with
+// dlogits = (exp(x - lse) - onehot) * scale[0] (scale = 1 / count, computed before the chunks).
+// The fused LM head (lm_head.py) runs it on each chunk of logits, which are never kept whole.
+template <typename T, typename I>
+__global__ void __launch_bounds__(kCeThreads) cross_entropy_fused(T* __restrict__ logits,
+                                                                  const I* __restrict__ targets,
+                                                                  float* __restrict__ loss_rows,
+                                                                  float* __restrict__ valid_rows,
+                                                                  const float* __restrict__ scale, int V,
+                                                                  long long ignore_index) {
+    constexpr int P = Pack<T>::N;
+    const int row = blockIdx.x;
+    T* xr = logits + (long long)row * V;
+    const long long t = (long long)targets[row];
+    const bool ignored = t == ignore_index;
+    const bool in_range = t >= 0 && t < V;
+    // the target's logit is read before block_max_sum's barriers, so before any thread overwrites it
+    float xt = 0.0f;
+    if (threadIdx.x == 0 && !ignored && in_range) xt = to_float(xr[t]);
+    const bool vec = V % P == 0 && aligned16(logits);
+    MaxSum st{-KILN_INF, 0.0f};
+    if (vec) {
+        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
+            const Pack<T> a = load_pack(xr + p * P);
+            float v[P];
+            float pm = -KILN_INF;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                v[j] = to_float(a.v[j]);
+                pm = fmaxf(pm, v[j]);
+            }
+            const float m = fmaxf(st.m, pm);
+            if (m == -KILN_INF) continue;
+            float s = st.s * expf(st.m - m);
+#pragma unroll
+            for (int j = 0; j < P; ++j) s += expf(v[j] - m);
+            st = {m, s};
+        }
+    } else {
+        for (int c = threadIdx.x; c < V; c += kCeThreads) {
+            const float v = to_float(xr[c]);
+            const float m = fmaxf(st.m, v);
+            if (m == -KILN_INF) continue;
+            st = {m, st.s * expf(st.m - m) + expf(v - m)};
+        }
+    }
+    __shared__ float sm[kCeThreads / 32], ss[kCeThreads / 32];
+    st = block_max_sum<kCeThreads>(st, sm, ss);
+    const float lse = st.m + logf(st.s);
+    if (threadIdx.x == 0) {
+        loss_rows[row] = ignored ? 0.0f : (in_range ? lse - xt : KILN_NAN);
+        valid_rows[row] = ignored ? 0.0f : 1.0f;
+    }
+    const float sc = ignored ? 0.0f : scale[0];
+    if (vec) {
+        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
+            const Pack<T> a = load_pack(xr + p * P);
+            Pack<T> o;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const int c = p * P + j;
+                const float prob = expf(to_float(a.v[j]) - lse) - (c == t ? 1.0f : 0.0f);
+                o.v[j] = from_float<T>(ignored ? 0.0f : prob * sc);
+            }
+            store_pack(xr + p * P, o);
+        }
+    } else {
+        for (int c = threadIdx.x; c < V; c += kCeThreads) {
+            const float prob = expf(to_float(xr[c]) - lse) - (c == t ? 1.0f : 0.0f);
+            xr[c] = from_float<T>(ignored ? 0.0f : prob * sc);
+        }
+    }
+}
