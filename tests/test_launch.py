@@ -118,7 +118,7 @@ def test_no_orphans_when_the_launcher_is_killed(tmp_path):
 def test_detector_flags_nan_and_a_spike_by_its_zscore():
     rng = np.random.default_rng()
     values = 2.0 + 0.05 * rng.standard_normal(30)
-    detector = BadStepDetector(z=6.0, window=20, min_history=10)
+    detector = BadStepDetector(z=6.0, window=20, min_history=10, ratio=1.0)
     assert all(detector.check(i + 1, float(v), 1.0 + float(v)) is None for i, v in enumerate(values))
     window = values[-20:]
     spike = float(window.mean() + 7 * window.std(ddof=1))
@@ -130,6 +130,10 @@ def test_detector_flags_nan_and_a_spike_by_its_zscore():
     bad = detector.check(33, 2.0, float("nan"))
     assert (bad.kind, bad.series) == ("nan", "grad_norm")
     assert BadStepDetector(min_history=10).check(1, float("inf"), None).kind == "nan"
+    # a smooth series' natural rise is no spike when it is under `ratio` x the mean
+    smooth = BadStepDetector(z=6.0, window=20, min_history=10, ratio=2.0)
+    assert all(smooth.check(i, 2.0, 1.0 + 1e-3 * i) is None for i in range(1, 15))
+    assert smooth.check(15, 2.0, 1.5) is None and smooth.check(16, 2.0, 30.0).kind == "spike"
 
 
 def test_fault_specs_parse_and_fire_once_on_their_rank_and_attempt():
@@ -159,3 +163,37 @@ def test_bad_launch_options_are_errors(tmp_path, capsys):
     with pytest.raises(NotBuiltError, match="several nodes"):
         LaunchConfig(["true"], tmp_path, nnodes=2, master="h:1", max_restarts=1).validate()
     assert os.environ.get("KILN_LAUNCH_STORE") is None
+
+
+def test_health_says_not_available_without_nvml_or_prometheus(tmp_path):
+    """On a machine without NVML (or without the optional packages) each part says so and the
+    supervisor goes on: no GPUs chosen, no pinning, no metrics server."""
+    from kiln.launch.health import Health, _cpulist
+    said = []
+    health = Health(tmp_path / "health.jsonl", prometheus_port=_free_port(), say=said.append)
+    try:
+        import pynvml  # noqa: F401
+        has_nvml = True
+    except ImportError:
+        has_nvml = False
+    try:
+        import prometheus_client  # noqa: F401
+        has_prom = True
+    except ImportError:
+        has_prom = False
+    if not has_nvml:
+        assert health.usable_gpus(2) is None and health.cpus_for(0) is None
+        assert any(m.startswith("GPU health: not available") for m in said)
+        health.sample(0)
+        assert not (tmp_path / "health.jsonl").exists()
+    if not has_prom:
+        assert health.prom is None and any(m.startswith("Prometheus export: not available") for m in said)
+    health.close()
+    assert _cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

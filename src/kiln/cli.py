@@ -103,6 +103,7 @@ def _launch(args) -> int:
     config = LaunchConfig(command=command, run_dir=run_dir, nproc=args.nproc, nnodes=args.nnodes,
                           node_rank=args.node_rank, master=args.master, max_restarts=args.max_restarts,
                           bad_step=args.on_bad_step, spike_z=args.spike_z, spike_window=args.spike_window,
+                          spike_min_history=args.spike_min_history, spike_ratio=args.spike_ratio,
                           hang_factor=args.hang_factor, hang_min_s=args.hang_timeout_min,
                           startup_timeout_s=args.startup_timeout, prometheus_port=args.prometheus_port)
     return Supervisor(config).run()
@@ -289,7 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--spike-z", type=float, default=6.0,
                     help="a loss or gradient norm this many standard deviations above its rolling mean is a "
                          "spike (default 6; 0 turns spike detection off)")
+    la.add_argument("--spike-ratio", type=float, default=2.0,
+                    help="... and at least this many times the rolling mean (default 2)")
     la.add_argument("--spike-window", type=int, default=100, help="steps in the rolling window (default 100)")
+    la.add_argument("--spike-min-history", type=int, default=10,
+                    help="steps in the window before spikes are looked for (default 10)")
     la.add_argument("--hang-factor", type=float, default=20.0,
                     help="a rank is hung after this many median step times without progress (default 20)")
     la.add_argument("--hang-timeout-min", type=float, default=60.0, help="... and at least this many seconds")

@@ -59,7 +59,8 @@ class RankAgent:
         rank, attempt = int(env.get("RANK", "0")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         detector = BadStepDetector(z=float(env.get("KILN_SPIKE_Z", "6")),
                                    window=int(env.get("KILN_SPIKE_WINDOW", "100")),
-                                   min_history=int(env.get("KILN_SPIKE_MIN_HISTORY", "10")))
+                                   min_history=int(env.get("KILN_SPIKE_MIN_HISTORY", "10")),
+                                   ratio=float(env.get("KILN_SPIKE_RATIO", "2")))
         return cls(TCPStore(host, int(port), timeout=60.0), rank, attempt, Path(env["KILN_RUN_DIR"]),
                    env.get("KILN_BAD_STEP", "restart"), detector, FaultPlan.from_env(rank, attempt, env))
 
@@ -86,9 +87,9 @@ class RankAgent:
              "action": action, "recovery_s": recovery_s, "steps_lost": steps_lost}))
 
     def report_failure(self, e: BaseException, step: int) -> None:
-        """Before this rank exits on an exception: its class and evidence, for the supervisor."""
+        """Before this rank exits on an exception in `step`: its class and evidence, for the supervisor."""
         if isinstance(e, BadStepError):
-            cls, evidence = f"bad_step_{e.bad.kind}", e.bad.evidence
+            cls, evidence, step = f"bad_step_{e.bad.kind}", e.bad.evidence, e.bad.step
         else:
             cls, evidence = classify_exception(e), f"{type(e).__name__}: {e}"
         try:

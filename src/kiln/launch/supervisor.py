@@ -48,6 +48,7 @@ class LaunchConfig:
     spike_z: float = 6.0
     spike_window: int = 100
     spike_min_history: int = 10
+    spike_ratio: float = 2.0           # ... and at least this many times the window's mean
     hang_factor: float = 20.0          # a rank is hung after hang_factor x its median step time ...
     hang_min_s: float = 60.0           # ... and never less than this
     startup_timeout_s: float = 900.0   # before the first step, and around evals and checkpoints
@@ -165,6 +166,7 @@ class Supervisor:
                "KILN_LAUNCH_STORE": f"{self.master_addr}:{self.master_port}", "KILN_RUN_DIR": str(self.run_dir),
                "KILN_BAD_STEP": c.bad_step, "KILN_SPIKE_Z": str(c.spike_z),
                "KILN_SPIKE_WINDOW": str(c.spike_window), "KILN_SPIKE_MIN_HISTORY": str(c.spike_min_history),
+               "KILN_SPIKE_RATIO": str(c.spike_ratio),
                "PYTHONUNBUFFERED": "1"}
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
