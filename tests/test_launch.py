@@ -197,3 +197,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def test_ranks_rendezvous_through_the_launchers_store(tmp_path):
+    """One store per job: under kiln launch no rank serves another (TORCHELASTIC_USE_AGENT_STORE),
+    and the ranks' exchange (the NCCL id's path without MPI) goes through the launcher's."""
+    run = tmp_path / "run"
+    proc = launch(run, [sys.executable, str(Path(__file__).parent / "ranks" / "launch_store.py")], "--nproc", 3)
+    assert proc.returncode == 0, proc.stderr
+    for r in range(3):
+        got = json.loads((run / f"store-{r}.json").read_text())
+        assert got == {"agent_store": True, "serves": False, "launcher": "torchrun", "ranks": [0, 1, 2]}

@@ -2,7 +2,7 @@
 
     {"run_id": "...", "attempt": 0, "class": "dead_rank", "rank": 1, "step": 7,
      "evidence": "exit: killed by SIGKILL", "action": "restart from step 4 (ckpt-00000004.kiln)",
-     "detected_at": 1764790000.1, "recovery_s": 3.2, "steps_lost": 3}
+     "detected_at": 1764790000.1, "detect_s": 0.2, "recovery_s": 3.2, "steps_lost": 3}
 
 The classes follow paper §4.4's taxonomy, as far as a process can tell them apart.
 """
@@ -43,7 +43,8 @@ class Incident:
     evidence: str
     action: str
     detected_at: float = field(default_factory=time.time)
-    recovery_s: float | None = None
+    detect_s: float | None = None       # from the rank's last heartbeat to the detection
+    recovery_s: float | None = None     # from the detection to training again
     steps_lost: int | None = None
     resumed_from_step: int | None = None
 

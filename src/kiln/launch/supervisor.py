@@ -259,7 +259,8 @@ class Supervisor:
                     seen_incidents.add(key)
                     rec, rank = self._record(key), int(key.split("/")[3])
                     inc = Incident(self.run_id, self.attempt, rec["class"], rank, rec["step"], rec["evidence"],
-                                   rec["action"], recovery_s=rec["recovery_s"], steps_lost=rec["steps_lost"])
+                                   rec["action"], detect_s=0.0, recovery_s=rec["recovery_s"],
+                                   steps_lost=rec["steps_lost"])
                     self.incidents.write(inc)
                     self.health.incident(inc)
                     self.say(f"rank {rank}: {rec['class']} at step {rec['step']}: {rec['action']}")
@@ -288,7 +289,7 @@ class Supervisor:
                                     f"no heartbeat progress for {waited:.1f} s (timeout {timeout:.1f} s: "
                                     f"{self.config.hang_factor:g} x the median step time {hb.get('step_s')} s, "
                                     f"at least {self.config.hang_min_s:g} s); last phase {hb.get('phase')!r}",
-                                    "")
+                                    "", detect_s=round(waited, 3))
             silent = [r for r in self._procs if r not in beats and r not in exited_ok]
             if silent and now - started > self.config.startup_timeout_s:
                 return Incident(self.run_id, self.attempt, "hang", silent[0], resumed_step,
@@ -305,9 +306,12 @@ class Supervisor:
         rank = (causes or sorted(failed))[0]
         rep, exit_text = reports[rank], describe_exit(failed[rank])
         step = rep["step"] if rep else beats.get(rank, {}).get("step")
+        detect_s = round(time.time() - beats[rank]["time"], 3) if rank in beats else None
         if rep is None:
-            return Incident(self.run_id, self.attempt, "dead_rank", rank, step, f"exit: {exit_text}", "")
-        return Incident(self.run_id, self.attempt, rep["class"], rank, step, f"{rep['evidence']} ({exit_text})", "")
+            return Incident(self.run_id, self.attempt, "dead_rank", rank, step, f"exit: {exit_text}", "",
+                            detect_s=detect_s)
+        return Incident(self.run_id, self.attempt, rep["class"], rank, step, f"{rep['evidence']} ({exit_text})", "",
+                        detect_s=detect_s)
 
     # ------------------------------------------------------------------ checkpoints
     def _verified_checkpoint(self) -> tuple[int | None, list[Incident]]:
