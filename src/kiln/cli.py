@@ -105,7 +105,8 @@ def _launch(args) -> int:
                           bad_step=args.on_bad_step, spike_z=args.spike_z, spike_window=args.spike_window,
                           spike_min_history=args.spike_min_history, spike_ratio=args.spike_ratio,
                           hang_factor=args.hang_factor, hang_min_s=args.hang_timeout_min,
-                          startup_timeout_s=args.startup_timeout, prometheus_port=args.prometheus_port)
+                          startup_timeout_s=args.startup_timeout, prometheus_port=args.prometheus_port,
+                          mpi=args.mpi)
     return Supervisor(config).run()
 
 
@@ -300,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--hang-timeout-min", type=float, default=60.0, help="... and at least this many seconds")
     la.add_argument("--startup-timeout", type=float, default=900.0,
                     help="seconds allowed before the first step and around evals and checkpoints")
+    la.add_argument("--mpi", action="store_true",
+                    help="start the ranks with mpiexec (the MPI backend's CPU ranks; one node)")
     la.add_argument("--prometheus-port", type=int, help="serve Prometheus metrics on this port (off by default)")
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- the command of each rank")
     la.set_defaults(run=_launch)

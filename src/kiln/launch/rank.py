@@ -55,8 +55,9 @@ class RankAgent:
         if not where:
             return None
         from kiln.distributed.store import TCPStore
+        from kiln.distributed.environment import detect
         host, _, port = where.rpartition(":")
-        rank, attempt = int(env.get("RANK", "0")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        rank, attempt = detect(env).rank, int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         detector = BadStepDetector(z=float(env.get("KILN_SPIKE_Z", "6")),
                                    window=int(env.get("KILN_SPIKE_WINDOW", "100")),
                                    min_history=int(env.get("KILN_SPIKE_MIN_HISTORY", "10")),
@@ -71,7 +72,7 @@ class RankAgent:
         """Tell the supervisor this rank is alive at `step` (phase: start, step, eval, checkpoint, finish)."""
         step_s = sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else None
         self.store.set(self._key("hb"), json.dumps({"step": step, "time": time.time(), "phase": phase,
-                                                    "step_s": step_s, **values}))
+                                                    "step_s": step_s, "pid": os.getpid(), **values}))
 
     def step_done(self, step: int, seconds: float, loss: float | None, grad_norm: float | None) -> BadStep | None:
         """Heartbeat for a finished step; the bad step it was, if it was one (detector verdict)."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,6 +56,7 @@ class LaunchConfig:
     startup_timeout_s: float = 900.0   # before the first step, and around evals and checkpoints
     grace_s: float = 15.0              # SIGTERM -> SIGKILL on a stop
     prometheus_port: int | None = None
+    mpi: bool = False                  # start the ranks with `mpiexec -n nproc` (the MPI backend's CPU ranks)
     extra_env: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -66,6 +69,9 @@ class LaunchConfig:
             raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1 and not self.master:
             raise ConfigError("a launch over several nodes needs --master HOST:PORT (node 0's address)")
+        if self.mpi and self.nnodes > 1:
+            raise NotBuiltError("--mpi over several nodes (an mpiexec host list) is not built; "
+                                "use --mpi on one node")
         if self.nnodes > 1 and self.max_restarts > 0:
             raise NotBuiltError("restarts over several nodes need every node's supervisor to restart "
                                 "together, which is not built; use --max-restarts 0 with --nnodes > 1")
@@ -106,6 +112,23 @@ def _bind_to_parent() -> None:
     """In the child before exec: die with the supervisor (Linux PR_SET_PDEATHSIG), never orphaned."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """Every live descendant of these pids (from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 class Supervisor:
@@ -154,12 +177,24 @@ class Supervisor:
                 self.store.delete(key)
 
     # ------------------------------------------------------------------ the gang
-    def _rank_env(self, local_rank: int, gpus: list[int] | None) -> dict:
+    @property
+    def ranks(self) -> list[int]:
+        """The world ranks this node runs."""
         c = self.config
-        rank = c.node_rank * c.nproc + local_rank
-        env = {**os.environ, **c.extra_env,
-               "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(c.world_size),
-               "LOCAL_WORLD_SIZE": str(c.nproc), "GROUP_RANK": str(c.node_rank), "ROLE_RANK": str(rank),
+        return [c.node_rank * c.nproc + local for local in range(c.nproc)]
+
+    def _rank_env(self, local_rank: int | None, gpus: list[int] | None) -> dict:
+        """Each rank's environment: torchrun's variables (local_rank None: mpiexec sets the rank's
+        own, PMI_RANK and the rest, and kiln.distributed.environment reads those) and kiln's."""
+        c = self.config
+        env = {**os.environ, **c.extra_env}
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"):
+            env.pop(name, None)
+        if local_rank is not None:
+            rank = c.node_rank * c.nproc + local_rank
+            env.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(c.world_size),
+                        "LOCAL_WORLD_SIZE": str(c.nproc), "GROUP_RANK": str(c.node_rank), "ROLE_RANK": str(rank)})
+        env.update({
                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
                "TORCHELASTIC_RESTART_COUNT": str(self.attempt), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
                "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -167,7 +202,7 @@ class Supervisor:
                "KILN_BAD_STEP": c.bad_step, "KILN_SPIKE_Z": str(c.spike_z),
                "KILN_SPIKE_WINDOW": str(c.spike_window), "KILN_SPIKE_MIN_HISTORY": str(c.spike_min_history),
                "KILN_SPIKE_RATIO": str(c.spike_ratio),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1"})
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         return env
@@ -175,11 +210,15 @@ class Supervisor:
     def _spawn(self) -> None:
         c = self.config
         gpus = self.health.usable_gpus(c.nproc)
-        for local in range(c.nproc):
-            rank = c.node_rank * c.nproc + local
-            log = open(self.run_dir / "logs" / f"rank-{rank}.log", "ab", buffering=0)
-            log.write(f"=== kiln launch: run {self.run_id} attempt {self.attempt} rank {rank} "
-                      f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ===\n".encode())
+        for rank in self.ranks:
+            with open(self.run_dir / "logs" / f"rank-{rank}.log", "ab") as log:
+                log.write(f"=== kiln launch: run {self.run_id} attempt {self.attempt} rank {rank} "
+                          f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ===\n".encode())
+        if c.mpi:
+            self._spawn_mpi(gpus)
+            return
+        for local, rank in enumerate(self.ranks):
+            log = open(self.run_dir / "logs" / f"rank-{rank}.log", "ab", buffering=0)  # noqa: SIM115 (the child's)
             cpus = self.health.cpus_for(gpus[local] if gpus else None)
 
             def start(cpus=cpus):
@@ -196,6 +235,31 @@ class Supervisor:
             finally:
                 log.close()
 
+    def _spawn_mpi(self, gpus) -> None:
+        """The node's ranks as one `mpiexec -n nproc` (MPI connects them); each rank appends its
+        output to its own log (PMI_RANK names it), mpiexec's own goes to logs/mpiexec.log."""
+        c = self.config
+        mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+        if mpiexec is None:
+            raise ConfigError("kiln launch --mpi needs mpiexec: pip install 'kiln[dist]' (mpi4py, mpich)")
+        per_rank = 'exec "$@" >> "$KILN_RUN_DIR/logs/rank-$PMI_RANK.log" 2>&1'
+        command = [mpiexec, "-n", str(c.nproc), "sh", "-c", per_rank, "sh", *c.command]
+        with open(self.run_dir / "logs" / "mpiexec.log", "ab") as log:
+            log.write(f"=== attempt {self.attempt} ===\n".encode())
+            log.flush()
+            self._procs["mpiexec"] = subprocess.Popen(command, env=self._rank_env(None, gpus), stdout=log,
+                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                      start_new_session=True, preexec_fn=_bind_to_parent)
+
+    def _mpi_dead_rank(self, beats: dict[int, dict]) -> tuple[int | None, str]:
+        """(rank, evidence) of the rank mpiexec reports as terminated badly, matched by its pid."""
+        text = (self.run_dir / "logs" / "mpiexec.log").read_text(errors="replace").rsplit("=== attempt", 1)[-1]
+        pids = {hb.get("pid"): r for r, hb in beats.items()}
+        for pid, code in re.findall(r"PID (\d+) RUNNING AT .*?EXIT CODE: (\d+)", text, re.S):
+            if int(pid) in pids:
+                return pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}"
+        return None, ""
+
     def _kill_gang(self, graceful: bool) -> None:
         """Every child and its process group gone: SIGTERM first when graceful, SIGKILL after."""
         if graceful:
@@ -209,9 +273,17 @@ class Supervisor:
         self._procs = {}
 
     def _signal_all(self, sig: int) -> None:
-        for p in self._procs.values():
+        """The signal to every child's process group and to all their descendants (some, such as
+        mpiexec's proxies, start their own groups)."""
+        leaders = [p.pid for p in self._procs.values() if p.poll() is None]
+        for pid in leaders:
             try:
-                os.killpg(p.pid, sig)  # the rank and anything it started
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in _descendants(leaders) if sig == signal.SIGKILL else []:
+            try:
+                os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
 
@@ -225,7 +297,7 @@ class Supervisor:
 
     def _heartbeats(self) -> dict[int, dict]:
         beats = {}
-        for rank in self._procs:
+        for rank in self.ranks:
             hb = self._record(f"launch/hb/{self.attempt}/{rank}")
             if hb is not None:
                 beats[rank] = hb
@@ -290,21 +362,34 @@ class Supervisor:
                                     f"{self.config.hang_factor:g} x the median step time {hb.get('step_s')} s, "
                                     f"at least {self.config.hang_min_s:g} s); last phase {hb.get('phase')!r}",
                                     "", detect_s=round(waited, 3))
-            silent = [r for r in self._procs if r not in beats and r not in exited_ok]
+            silent = [r for r in self.ranks if r not in beats and r not in exited_ok]
             if silent and now - started > self.config.startup_timeout_s:
                 return Incident(self.run_id, self.attempt, "hang", silent[0], resumed_step,
                                 f"no heartbeat within the startup timeout {self.config.startup_timeout_s:g} s", "")
             time.sleep(POLL_S)
 
-    def _exit_incident(self, failed: dict[int, int], beats: dict[int, dict]) -> Incident:
-        """Classify a gang whose ranks exited with failures: the rank's own report when it made
-        one (a collective failure is a consequence; another rank's report is the cause)."""
-        reports = {r: self._record(f"launch/error/{self.attempt}/{r}") for r in failed}
+    def _exit_incident(self, failed: dict, beats: dict[int, dict]) -> Incident:
+        """Classify a gang that exited with failures. The cause, in order: a rank's own report
+        other than a collective failure (that is a consequence); a rank that died without one
+        (killed); a collective failure; under mpiexec, the rank its report names."""
         time.sleep(2 * POLL_S)  # a report written just before the exit
-        reports = {r: rep or self._record(f"launch/error/{self.attempt}/{r}") for r, rep in reports.items()}
-        causes = [r for r in failed if reports[r] is None or reports[r]["class"] != "collective_failure"]
-        rank = (causes or sorted(failed))[0]
-        rep, exit_text = reports[rank], describe_exit(failed[rank])
+        reports = {r: rec for r in self.ranks if (rec := self._record(f"launch/error/{self.attempt}/{r}"))}
+        own = [r for r, rec in reports.items() if rec["class"] != "collective_failure"]
+        silent = [r for r in failed if isinstance(r, int) and r not in reports]
+        mpi_rank, mpi_text = self._mpi_dead_rank(beats) if "mpiexec" in failed else (None, "")
+        if own:
+            rank = own[0]
+        elif silent or (mpi_rank is not None and mpi_rank not in reports):
+            rank = silent[0] if silent else mpi_rank
+            reports.pop(rank, None)
+        else:
+            rank = next(iter(reports), mpi_rank)
+        rep = reports.get(rank)
+        exit_text = describe_exit(failed[rank]) if rank in failed else \
+            "; ".join(filter(None, (mpi_text, f"mpiexec {describe_exit(failed['mpiexec'])}")))
+        quiet = [r for r in self.ranks if r not in reports]
+        if rep is not None and rep["class"] == "collective_failure" and quiet:
+            exit_text += f"; rank(s) {quiet} did not report the failed collective: stalled or dead there"
         step = rep["step"] if rep else beats.get(rank, {}).get("step")
         detect_s = round(time.time() - beats[rank]["time"], 3) if rank in beats else None
         if rep is None:
