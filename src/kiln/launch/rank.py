@@ -54,8 +54,8 @@ class RankAgent:
         where = env.get("KILN_LAUNCH_STORE")
         if not where:
             return None
-        from kiln.distributed.store import TCPStore
         from kiln.distributed.environment import detect
+        from kiln.distributed.store import TCPStore
         host, _, port = where.rpartition(":")
         rank, attempt = detect(env).rank, int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         detector = BadStepDetector(z=float(env.get("KILN_SPIKE_Z", "6")),
