@@ -1,5 +1,6 @@
 """`kiln`: the command line. `kiln train` trains (`--resume RUN` continues one), `kiln sample`
-generates, `kiln prepare` makes shards, `kiln compare` finds where kiln and PyTorch part, `kiln export` / `kiln import` convert to / from Hugging Face.
+generates, `kiln prepare` makes shards, `kiln compare` finds where kiln and PyTorch part, `kiln export` / `kiln
+import` convert to / from Hugging Face, `kiln launch` starts and supervises ranks of a command.
 
 Bad input ends with the KilnError's message on stderr and exit status 2, with no traceback.
 """
@@ -34,10 +35,19 @@ def _parse_overrides(items) -> dict:
 
 
 def _train(args) -> int:
+    from kiln.launch.rank import launched_run_dir
     from kiln.train import TrainConfig, Trainer
+    from kiln.train.config import RESUME_OVERRIDES
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if args.resume:
+    launched = launched_run_dir()
+    if launched is not None and not args.resume and any((launched / "checkpoints").glob("ckpt-*.kiln")):
+        # a restarted attempt of `kiln launch`: the same command continues from the newest good checkpoint
+        trainer = Trainer.from_checkpoint(launched, **{k: v for k, v in given.items() if k in RESUME_OVERRIDES})
+        cfg = trainer.config
+        print(f"kiln: attempt {trainer.launch.attempt}: resuming {launched} at step {trainer.step} "
+              f"from {trainer.resumed_from}", flush=True)
+    elif args.resume:
         if args.set:
             raise ConfigError(f"--set {args.set[0]}: a resumed run keeps its checkpoint's model")
         trainer = Trainer.from_checkpoint(args.resume, **given)
@@ -83,6 +93,26 @@ def _what_was_saved(trainer) -> str:
     lost = trainer.step - pointer["step"]
     return (f"the newest checkpoint is step {pointer['step']} ({lost} step{'s' * (lost != 1)} lost); "
             f"continue with `kiln train --resume {trainer.run_dir}`")
+
+
+def _launch(args) -> int:
+    import os
+    import time
+    from pathlib import Path
+
+    from kiln.launch import LaunchConfig, Supervisor
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if command[:1] == ["kiln"]:  # this interpreter's kiln, installed as a console script or not
+        command = [sys.executable, "-m", "kiln.cli", *command[1:]]
+    run_dir = Path(args.run_dir or os.path.join("runs", f"launch-{time.strftime('%Y%m%d-%H%M%S')}"))
+    config = LaunchConfig(command=command, run_dir=run_dir, nproc=args.nproc, nnodes=args.nnodes,
+                          node_rank=args.node_rank, master=args.master, max_restarts=args.max_restarts,
+                          bad_step=args.on_bad_step, spike_z=args.spike_z, spike_window=args.spike_window,
+                          spike_min_history=args.spike_min_history, spike_ratio=args.spike_ratio,
+                          hang_factor=args.hang_factor, hang_min_s=args.hang_timeout_min,
+                          startup_timeout_s=args.startup_timeout, prometheus_port=args.prometheus_port,
+                          mpi=args.mpi)
+    return Supervisor(config).run()
 
 
 def _sample(args) -> int:
@@ -255,6 +285,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per optimizer step; sets grad_accum = global / (batch x seq_len x ranks)")
     t.add_argument("--bucket-mb", type=float, help="ddp: gradient bucket size in MB (default 25)")
     t.set_defaults(run=_train)
+
+    la = sub.add_parser("launch", help="start N ranks of a command and supervise them: restart the gang "
+                                       "from the newest good checkpoint on a failure (-- kiln train ...)")
+    la.add_argument("--nproc", type=int, default=1, help="ranks on this node (default 1)")
+    la.add_argument("--nnodes", type=int, default=1)
+    la.add_argument("--node-rank", type=int, default=0)
+    la.add_argument("--master", help="HOST:PORT of node 0's store (default: a free local port)")
+    la.add_argument("--max-restarts", type=int, default=3, help="restarts of the gang before giving up (default 3)")
+    la.add_argument("--run-dir", help="the run folder, kept across restarts (default runs/launch-<time>): "
+                                      "logs/rank-R.log, incidents.jsonl, health.jsonl, the trainer's files")
+    la.add_argument("--on-bad-step", default="restart",
+                    help="a NaN/Inf or spiking step: restart (the gang, default), skip (undo its update in "
+                         "place) or rollback (to the newest checkpoint in place)")
+    la.add_argument("--spike-z", type=float, default=6.0,
+                    help="a loss or gradient norm this many standard deviations above its rolling mean is a "
+                         "spike (default 6; 0 turns spike detection off)")
+    la.add_argument("--spike-ratio", type=float, default=2.0,
+                    help="... and at least this many times the rolling mean (default 2)")
+    la.add_argument("--spike-window", type=int, default=100, help="steps in the rolling window (default 100)")
+    la.add_argument("--spike-min-history", type=int, default=10,
+                    help="steps in the window before spikes are looked for (default 10)")
+    la.add_argument("--hang-factor", type=float, default=20.0,
+                    help="a rank is hung after this many median step times without progress (default 20)")
+    la.add_argument("--hang-timeout-min", type=float, default=60.0, help="... and at least this many seconds")
+    la.add_argument("--startup-timeout", type=float, default=900.0,
+                    help="seconds allowed before the first step and around evals and checkpoints")
+    la.add_argument("--mpi", action="store_true",
+                    help="start the ranks with mpiexec (the MPI backend's CPU ranks; one node)")
+    la.add_argument("--prometheus-port", type=int, help="serve Prometheus metrics on this port (off by default)")
+    la.add_argument("command", nargs=argparse.REMAINDER, help="-- the command of each rank")
+    la.set_defaults(run=_launch)
 
     s = sub.add_parser("sample", help="generate text from a trained run")
     s.add_argument("run_dir")

@@ -32,6 +32,9 @@ class Environment:
     master_addr: str
     master_port: int
     launcher: str  # "mpi" (mpiexec: MPI can connect the ranks), "torchrun", "slurm" or "single"
+    # the launcher serves the store at MASTER_ADDR:MASTER_PORT (torchrun's and `kiln launch`'s
+    # TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, is a client of that one store
+    agent_store: bool = False
 
     @property
     def under_mpi(self) -> bool:
@@ -78,4 +81,5 @@ def detect(env=None) -> Environment:
     if size < 1 or not 0 <= rank < size or not 0 <= local < max(local_size, 1):
         raise ConfigError(f"bad distributed environment ({found}): rank {rank}, world size {size}, "
                           f"local rank {local} of {local_size}; need 0 <= rank < world size")
-    return Environment(rank, size, local, local_size, addr, port, found)
+    return Environment(rank, size, local, local_size, addr, port, found,
+                       env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")

@@ -232,7 +232,6 @@ def _nccl_world(env: Environment, timeout: float):
         SelfChannel,
         StoreChannel,
     )
-    from kiln.distributed.store import TCPStore
     get_backend("cuda")  # a DeviceError that names what is missing
     from kiln.backend.cuda import nccl
     nccl.use_device(env.local_rank)
@@ -240,11 +239,17 @@ def _nccl_world(env: Environment, timeout: float):
         from kiln.distributed.mpi_engine import mpi
         channel = MPIChannel(mpi().COMM_WORLD)
     elif env.world_size > 1:
-        store = TCPStore(env.master_addr, env.master_port, is_server=env.rank == 0, timeout=timeout)
-        channel = StoreChannel(store, "kiln/world", env.rank, env.world_size, timeout)
+        channel = StoreChannel(rendezvous_store(env, timeout), "kiln/world", env.rank, env.world_size, timeout)
     else:
         channel = SelfChannel()
     return NCCLEngine(channel, env.rank, env.world_size, timeout)
+
+
+def rendezvous_store(env: Environment, timeout: float):
+    """The run's one store: the launcher's when it serves one (kiln launch, torchrun), else rank 0's."""
+    from kiln.distributed.store import TCPStore
+    return TCPStore(env.master_addr, env.master_port, is_server=env.rank == 0 and not env.agent_store,
+                    timeout=timeout)
 
 
 def is_initialized() -> bool:

@@ -39,6 +39,7 @@ from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
 from kiln.errors import ConfigError, DataError, NotBuiltError
 from kiln.graph import CapturedStep, GraphCaptureError
+from kiln.launch import BadStepError, RankAgent
 from kiln.nn import GPT, PRESETS, GPTConfig, preset
 from kiln.optim import AdamW, gpt_param_groups, warmup_cosine_lr
 from kiln.paths import output_folder
@@ -148,6 +149,10 @@ class Trainer:
         self.val_tokens = 0                         # tokens the last evaluation read
         self._graph_step: CapturedStep | None = None  # the step as a CUDA graph, recorded at step 2
         self._graph_failed = False                      # recording it failed once: op by op from then on
+        self.launch = RankAgent.from_env()  # under `kiln launch`: heartbeats, bad-step policy, faults
+        self._faults = self.launch.faults if self.launch is not None else None
+        self._before_step = None  # (params, moments, optimizer step) before this step, for the skip policy
+        self._rolled_back: set[int] = set()
 
     def describe_vocabulary(self) -> str:
         """Where the model's vocab_size came from, in words (a preset's own size is often replaced)."""
@@ -178,6 +183,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batches = [t for _ in range(self.grad_accum) for t in self._batch(self.train_loader)]
+        if self._faults is not None:
+            self._faults.before_step(self.step + 1)
+        if self.launch is not None and self.launch.policy == "skip":
+            self._before_step = self._update_state_copy()
         loss = None
         if not eager and self._use_graph():
             if self._graph_step is None:
@@ -198,7 +207,8 @@ class Trainer:
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
                 and not self.sharded  # ZeRO/FSDP steps run eagerly (ShardedAdamW is not captured yet)
-                and self.model_config.dropout == 0.0 and not self._graph_failed)
+                and self.model_config.dropout == 0.0 and not self._graph_failed
+                and self._faults is None)  # injected faults act in Python, inside the step
 
     def _step_body(self, *batches):
         """zero_grad, forward and backward over the micro-batches (x0, y0, x1, y1, ...), clip, update:
@@ -206,14 +216,19 @@ class Trainer:
         c, accum = self.config, self.grad_accum
         self.optimizer.zero_grad()
         total = None
+        scale = self._faults.loss_scale(self.step + 1) if self._faults is not None else None
         for i, (x, y) in enumerate(zip(batches[::2], batches[1::2])):
             # DDP: accumulation micro-steps communicate nothing; the last one all-reduces (Algorithm 1)
             with self.ddp.no_sync() if self.ddp is not None and i < accum - 1 else contextlib.nullcontext():
                 _, loss = self.model(x, y)
+                if scale is not None:  # an injected loss spike (kiln.launch.faults)
+                    loss = loss * scale
                 (loss / accum).backward() if accum > 1 else loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         if self.ddp is not None:
             self.ddp.wait_gradients()
+        if self._faults is not None:
+            self._faults.poison_gradients(self.step + 1, self.model.parameters())
         # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
         norm = self.optimizer.clip_grad_norm_(c.grad_clip) if c.grad_clip > 0 else None
         self.optimizer.step()
@@ -258,7 +273,7 @@ class Trainer:
         if self.rank != 0:  # rank 0 alone writes the run folder: logs, plots, samples, checkpoints
             return self._fit_without_writing()
         if not resumed:
-            self.run_dir = new_run_dir(c.out_dir, c.run_name, c.model)
+            self.run_dir = self._launched_run_dir() or new_run_dir(c.out_dir, c.run_name, c.model)
             if self.tokenizer is not None:
                 self.tokenizer.save(self.run_dir)
             write_config(self.run_dir, self.model_config, jsonable(dataclasses.asdict(c)),
@@ -274,7 +289,10 @@ class Trainer:
         flops_per_token = gpt_flops_per_token(self.model_config, self.seq_len)
         peak_flops = self.peak_flops()
         start = time.perf_counter()
+        if self.launch is not None:
+            self.launch.heartbeat(self.step, "start")
         with open(run / METRICS, "a" if resumed else "w") as log, self._stop_on_signals(), \
+                self._reporting_failures(), \
                 tqdm(total=c.max_steps, initial=self.step, disable=not c.progress, unit="step",
                      dynamic_ncols=True) as bar:
             while self.step < c.max_steps and self._keep_going():
@@ -296,10 +314,21 @@ class Trainer:
                 dt = (time.perf_counter() - t0) / (self.step - before)
                 if self.step == 1:
                     self.device.backend.end_warmup()  # the paper's §5 allocator: learn, then flush step 0
+                if self.launch is not None:
+                    verdict = self._supervise_step(row, dt, checkpoints, saver)
+                    if verdict == "rolled back":
+                        saved = min(saved, self.step)
+                        history[:] = [r for r in history if r["step"] <= self.step]
+                        bar.n = self.step
+                        continue
+                    if verdict == "skipped":
+                        row["skipped"] = True
                 row["tokens_per_s"] = tokens_per_step / dt
                 row["mfu"] = mfu(row["tokens_per_s"], flops_per_token, peak_flops)
                 row["elapsed_s"] = time.perf_counter() - start
                 if self.step % c.eval_interval == 0 or self.step == c.max_steps:
+                    if self.launch is not None:
+                        self.launch.heartbeat(self.step, "eval")
                     row["val_loss"] = self.evaluate()
                     row["val_tokens"] = self.val_tokens
                     evals.append((self.step, row["val_loss"]))
@@ -310,13 +339,17 @@ class Trainer:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}",
                                 val=f"{evals[-1][1]:.3f}" if evals else "-",
                                 tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{100 * row['mfu']:.1f}%")
+                if self._faults is not None:
+                    self._faults.after_step(self.step)
                 if c.checkpoint_interval and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
                         and self.step < c.max_steps and self.stop_signal is None:
-                    saved = self.save_checkpoint(checkpoints, saver)
+                    saved = self._checkpoint(checkpoints, saver)
             if saved != self.step:  # the end, or a signal: the step is done, save it
-                self.save_checkpoint(checkpoints, saver)
+                self._checkpoint(checkpoints, saver)
             if saver is not None:
                 saver.wait()
+            if self.launch is not None:
+                self.launch.heartbeat(self.step, "finish")
         elapsed = time.perf_counter() - start
         if self.stop_signal is not None:
             plot_losses(history, run / LOSS_PLOT, entropy)
@@ -355,11 +388,20 @@ class Trainer:
             from kiln.checkpoint import CheckpointFolder
             run = Path(self.group.engine.exchange(None)[0])
             checkpoints, saved = CheckpointFolder(run / "checkpoints", c.keep_checkpoints), self.step
-        with self._stop_on_signals():
+        if self.launch is not None:
+            self.launch.heartbeat(self.step, "start")
+        with self._stop_on_signals(), self._reporting_failures():
             while self.step < c.max_steps and self._keep_going():
-                self.train_step()
+                t0 = time.perf_counter()
+                row = self.train_step()
+                if self.launch is not None:
+                    self._supervise_step(row, time.perf_counter() - t0, None, None)
                 if self.step % c.eval_interval == 0 or self.step == c.max_steps:
+                    if self.launch is not None:
+                        self.launch.heartbeat(self.step, "eval")
                     val = self.evaluate()
+                if self._faults is not None:
+                    self._faults.after_step(self.step)
                 if checkpoints is not None and c.checkpoint_interval and self.step < c.max_steps \
                         and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
                         and self.stop_signal is None:
@@ -368,6 +410,8 @@ class Trainer:
                 self.save_checkpoint(checkpoints)
         if self.stop_signal is None:
             self._gather_for_writing()
+        if self.launch is not None:
+            self.launch.heartbeat(self.step, "finish")
         return {"run_dir": None, "rank": self.rank, "steps": self.step, "final_train_loss": self.last_loss,
                 "final_val_loss": val,
                 **({"interrupted": signal.Signals(self.stop_signal).name} if self.stop_signal else {})}
@@ -378,6 +422,86 @@ class Trainer:
         from kiln.profiler.ceilings import ceilings
         gemm = ceilings(self.device)["gemm_tflops"]
         return 1e12 * (gemm.get(self.config.precision) or gemm["fp32"])  # CPU bf16 GEMMs run in fp32
+
+    # ------------------------------------------------------------------ under `kiln launch` (paper §4.4)
+    def _launched_run_dir(self) -> Path | None:
+        """`kiln launch` names the run folder, the same in every attempt."""
+        if self.launch is None:
+            return None
+        self.launch.run_dir.mkdir(parents=True, exist_ok=True)
+        return self.launch.run_dir
+
+    def _checkpoint(self, checkpoints, saver) -> int:
+        if self.launch is not None:
+            self.launch.heartbeat(self.step, "checkpoint")
+        step = self.save_checkpoint(checkpoints, saver)
+        if self._faults is not None:
+            self._faults.after_checkpoint(step, checkpoints.path_for(step), saver)
+        return step
+
+    def _supervise_step(self, row: dict, seconds: float, checkpoints, saver) -> str:
+        """Heartbeat and bad-step check of the step just done; under the launch's policy a NaN or a
+        spike is skipped (its update undone in place, its batch dropped, as llm.c does) or rolled
+        back to the newest checkpoint in place (a step bad again after a rollback is skipped);
+        under `restart` it ends the rank (BadStepError) and the supervisor restarts the gang.
+        Returns "ok", "skipped" or "rolled back"."""
+        bad = self.launch.step_done(self.step, seconds, row["loss"], row["grad_norm"])
+        if bad is None:
+            return "ok"
+        policy = self.launch.policy
+        # every rank sees the same global loss and norm, so they agree; a rollback in place with
+        # several ranks (all reading rank 0's newest checkpoint at once) is not built: a restart
+        if policy == "rollback" and (self.world_size > 1 or bad.step in self._rolled_back
+                                     or not checkpoints.checkpoints()):
+            policy = "skip" if self._before_step is not None else "restart"
+        if policy == "restart":
+            raise BadStepError(bad)
+        t0 = time.perf_counter()
+        if policy == "skip":
+            self._restore_update_state(self._before_step)
+            action, lost, verdict = f"skipped in place: the update of step {bad.step} undone, its batch dropped", 1, \
+                "skipped"
+        else:
+            if saver is not None:
+                saver.wait()
+            state, path = checkpoints.load_latest()
+            self.load_state_dict(state)
+            self._rolled_back.add(bad.step)
+            action, lost, verdict = f"rolled back in place to step {self.step} ({path.name})", bad.step - self.step, \
+                "rolled back"
+        self.launch.report_incident(bad, action, time.perf_counter() - t0, lost)
+        return verdict
+
+    def _update_state_copy(self):
+        """What an optimizer step changes (parameters, AdamW moments and count), copied on the device."""
+        opt = self.optimizer
+        moments = None if opt._moments is None else tuple([m.copy() for m in ms] for ms in opt._moments)
+        return [p.data.copy() for p in opt.params], moments, opt.step_count
+
+    def _restore_update_state(self, saved) -> None:
+        """Undo a step in place (the same buffers: a captured graph stays valid)."""
+        params, moments, count = saved
+        opt = self.optimizer
+        for p, a in zip(opt.params, params):
+            p.data[...] = a
+            p._bump()
+        if moments is None:
+            opt._moments = None
+        else:
+            for live, copy in zip(opt._moments, moments):
+                for m, a in zip(live, copy):
+                    m[...] = a
+        opt.step_count = count
+
+    @contextlib.contextmanager
+    def _reporting_failures(self):
+        """Under `kiln launch`, tell the supervisor why this rank is about to exit on an exception."""
+        try:
+            yield
+        except BaseException as e:
+            if self.launch is not None and not isinstance(e, KeyboardInterrupt):
+                self.launch.report_failure(e, self.step + 1)  # the step in flight
+            raise
 
     def _profiled_steps(self, n: int, run: Path) -> dict:
         """n steps op by op, the first n // 2 plain and the rest under the profiler (the profiler's own

@@ -1,0 +1,501 @@
+"""`kiln launch`: start the rank gang, watch it, and recover it (paper §4.4, Distributed Orchestration).
+
+    kiln launch --nproc 2 --max-restarts 3 -- kiln train --steps 1000 --checkpoint-interval 100
+
+The supervisor serves the per-job store (kiln.distributed.store), starts each rank with
+torchrun's environment in its own process group (stdout and stderr to <run>/logs/rank-R.log),
+and polls the gang: exit statuses, heartbeats (a hang is no progress within a timeout derived
+from the measured step time), and the ranks' own failure reports. On a failure it kills the
+gang, classifies the incident, verifies the checkpoints newest first (a corrupt or truncated
+one is set aside and logged), and starts the gang again, up to --max-restarts times; every
+incident is one line of <run>/incidents.jsonl under a run id kept across attempts. SIGINT or
+SIGTERM stop the gang (SIGTERM to each rank, which saves and exits, then SIGKILL after a grace),
+and no child outlives the supervisor (each is also bound to it by PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.errors import ConfigError, NotBuiltError
+from kiln.launch.health import Health
+from kiln.launch.incidents import CLASSES, Incident, IncidentLog, describe_exit
+from kiln.launch.rank import BAD_STEP_POLICIES
+
+POLL_S = 0.1
+
+
+@dataclass
+class LaunchConfig:
+    command: list[str]
+    run_dir: Path
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master: str | None = None          # HOST:PORT of node 0's store; default: a free local port
+    max_restarts: int = 3
+    run_id: str | None = None          # default: kept in <run>/launch.json across launches
+    bad_step: str = "restart"          # restart, skip (drop the step's update) or rollback in place
+    spike_z: float = 6.0
+    spike_window: int = 100
+    spike_min_history: int = 10
+    spike_ratio: float = 2.0           # ... and at least this many times the window's mean
+    hang_factor: float = 20.0          # a rank is hung after hang_factor x its median step time ...
+    hang_min_s: float = 60.0           # ... and never less than this
+    startup_timeout_s: float = 900.0   # before the first step, and around evals and checkpoints
+    grace_s: float = 15.0              # SIGTERM -> SIGKILL on a stop
+    prometheus_port: int | None = None
+    mpi: bool = False                  # start the ranks with `mpiexec -n nproc` (the MPI backend's CPU ranks)
+    extra_env: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.command:
+            raise ConfigError("kiln launch needs a command after '--', e.g. -- kiln train --steps 100")
+        for name in ("nproc", "nnodes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.master:
+            raise ConfigError("a launch over several nodes needs --master HOST:PORT (node 0's address)")
+        if self.mpi and self.nnodes > 1:
+            raise NotBuiltError("--mpi over several nodes (an mpiexec host list) is not built; "
+                                "use --mpi on one node")
+        if self.nnodes > 1 and self.max_restarts > 0:
+            raise NotBuiltError("restarts over several nodes need every node's supervisor to restart "
+                                "together, which is not built; use --max-restarts 0 with --nnodes > 1")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.bad_step not in BAD_STEP_POLICIES:
+            raise ConfigError(f"--on-bad-step {self.bad_step!r}; allowed: {', '.join(BAD_STEP_POLICIES)}")
+        if not (self.hang_factor > 0 and self.hang_min_s > 0 and self.startup_timeout_s > 0):
+            raise ConfigError("hang factor and timeouts must be > 0 seconds")
+        if self.master:
+            host, _, port = self.master.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--master {self.master!r} is not HOST:PORT")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _libc_prctl():
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no parent-death signal
+        return None
+
+
+_PRCTL = _libc_prctl()  # looked up here: between fork and exec the child may not import
+
+
+def _bind_to_parent() -> None:
+    """In the child before exec: die with the supervisor (Linux PR_SET_PDEATHSIG), never orphaned."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """Every live descendant of these pids (from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Supervisor:
+    def __init__(self, config: LaunchConfig, out=sys.stderr):
+        config.validate()
+        self.config, self.out = config, out
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.run_id = config.run_id or self._stored_run_id()
+        self.incidents = IncidentLog(self.run_dir / "incidents.jsonl")
+        self.health = Health(self.run_dir / "health.jsonl", config.prometheus_port, self.say)
+        self._stop: int | None = None
+        self._procs: dict[int, subprocess.Popen] = {}
+        self.attempt = 0
+
+    def say(self, msg: str) -> None:
+        print(f"kiln launch: {msg}", file=self.out, flush=True)
+
+    def _stored_run_id(self) -> str:
+        """One run id for the run folder, kept across attempts and across launches that resume it."""
+        info = self.run_dir / "launch.json"
+        if info.is_file():
+            return json.loads(info.read_text())["run_id"]
+        run_id = uuid.uuid4().hex[:16]
+        info.write_text(json.dumps({"run_id": run_id, "command": self.config.command,
+                                    "world_size": self.config.world_size}, indent=1))
+        return run_id
+
+    # ------------------------------------------------------------------ the store
+    def _open_store(self):
+        from kiln.distributed.store import TCPStore
+        c = self.config
+        if c.master:
+            host, _, port = c.master.rpartition(":")
+            port = int(port)
+        else:
+            host, port = "127.0.0.1", _free_port()
+        self.store = TCPStore(host, port, is_server=c.node_rank == 0, timeout=60.0)
+        self.master_addr, self.master_port = host, self.store.port
+
+    def _clear_store(self) -> None:
+        """Before an attempt (node 0): drop what the ranks of the last one left (NCCL ids, groups)."""
+        for key in self.store.keys(""):
+            if not key.startswith("launch/"):
+                self.store.delete(key)
+
+    # ------------------------------------------------------------------ the gang
+    @property
+    def ranks(self) -> list[int]:
+        """The world ranks this node runs."""
+        c = self.config
+        return [c.node_rank * c.nproc + local for local in range(c.nproc)]
+
+    def _rank_env(self, local_rank: int | None, gpus: list[int] | None) -> dict:
+        """Each rank's environment: torchrun's variables (local_rank None: mpiexec sets the rank's
+        own, PMI_RANK and the rest, and kiln.distributed.environment reads those) and kiln's."""
+        c = self.config
+        env = {**os.environ, **c.extra_env}
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"):
+            env.pop(name, None)
+        if local_rank is not None:
+            rank = c.node_rank * c.nproc + local_rank
+            env.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(c.world_size),
+                        "LOCAL_WORLD_SIZE": str(c.nproc), "GROUP_RANK": str(c.node_rank), "ROLE_RANK": str(rank)})
+        env.update({
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+               "TORCHELASTIC_RESTART_COUNT": str(self.attempt), "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
+               "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+               "KILN_LAUNCH_STORE": f"{self.master_addr}:{self.master_port}", "KILN_RUN_DIR": str(self.run_dir),
+               "KILN_BAD_STEP": c.bad_step, "KILN_SPIKE_Z": str(c.spike_z),
+               "KILN_SPIKE_WINDOW": str(c.spike_window), "KILN_SPIKE_MIN_HISTORY": str(c.spike_min_history),
+               "KILN_SPIKE_RATIO": str(c.spike_ratio),
+               "PYTHONUNBUFFERED": "1"})
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        return env
+
+    def _spawn(self) -> None:
+        c = self.config
+        gpus = self.health.usable_gpus(c.nproc)
+        for rank in self.ranks:
+            with open(self.run_dir / "logs" / f"rank-{rank}.log", "ab") as log:
+                log.write(f"=== kiln launch: run {self.run_id} attempt {self.attempt} rank {rank} "
+                          f"at {time.strftime('%Y-%m-%dT%H:%M:%S')} ===\n".encode())
+        if c.mpi:
+            self._spawn_mpi(gpus)
+            return
+        for local, rank in enumerate(self.ranks):
+            log = open(self.run_dir / "logs" / f"rank-{rank}.log", "ab", buffering=0)  # noqa: SIM115 (the child's)
+            cpus = self.health.cpus_for(gpus[local] if gpus else None)
+
+            def start(cpus=cpus):
+                _bind_to_parent()
+                if cpus:
+                    os.sched_setaffinity(0, cpus)  # the CPU cores of this rank's GPU's NUMA node
+
+            try:
+                self._procs[rank] = subprocess.Popen(c.command, env=self._rank_env(local, gpus), stdout=log,
+                                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                     start_new_session=True, preexec_fn=start)
+            except OSError as e:
+                raise ConfigError(f"kiln launch cannot start {c.command[0]!r}: {e}") from None
+            finally:
+                log.close()
+
+    def _spawn_mpi(self, gpus) -> None:
+        """The node's ranks as one `mpiexec -n nproc` (MPI connects them); each rank appends its
+        output to its own log (PMI_RANK names it), mpiexec's own goes to logs/mpiexec.log."""
+        c = self.config
+        mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+        if mpiexec is None:
+            raise ConfigError("kiln launch --mpi needs mpiexec: pip install 'kiln[dist]' (mpi4py, mpich)")
+        per_rank = 'exec "$@" >> "$KILN_RUN_DIR/logs/rank-$PMI_RANK.log" 2>&1'
+        command = [mpiexec, "-n", str(c.nproc), "sh", "-c", per_rank, "sh", *c.command]
+        with open(self.run_dir / "logs" / "mpiexec.log", "ab") as log:
+            log.write(f"=== attempt {self.attempt} ===\n".encode())
+            log.flush()
+            self._procs["mpiexec"] = subprocess.Popen(command, env=self._rank_env(None, gpus), stdout=log,
+                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                      start_new_session=True, preexec_fn=_bind_to_parent)
+
+    def _mpi_dead_rank(self, beats: dict[int, dict]) -> tuple[int | None, str]:
+        """(rank, evidence) of the rank mpiexec reports as terminated badly, matched by its pid."""
+        text = (self.run_dir / "logs" / "mpiexec.log").read_text(errors="replace").rsplit("=== attempt", 1)[-1]
+        pids = {hb.get("pid"): r for r, hb in beats.items()}
+        for pid, code in re.findall(r"PID (\d+) RUNNING AT .*?EXIT CODE: (\d+)", text, re.S):
+            if int(pid) in pids:
+                return pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}"
+        return None, ""
+
+    def _kill_gang(self, graceful: bool) -> None:
+        """Every child and its process group gone: SIGTERM first when graceful, SIGKILL after."""
+        if graceful:
+            self._signal_all(signal.SIGTERM)
+            deadline = time.monotonic() + self.config.grace_s
+            while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+                time.sleep(POLL_S)
+        self._signal_all(signal.SIGKILL)
+        for p in self._procs.values():
+            p.wait()
+        self._procs = {}
+
+    def _signal_all(self, sig: int) -> None:
+        """The signal to every child's process group and to all their descendants (some, such as
+        mpiexec's proxies, start their own groups)."""
+        leaders = [p.pid for p in self._procs.values() if p.poll() is None]
+        for pid in leaders:
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in _descendants(leaders) if sig == signal.SIGKILL else []:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs.values()]
+
+    # ------------------------------------------------------------------ watching
+    def _record(self, key: str) -> dict | None:
+        raw = self.store.try_get(key)
+        return json.loads(raw) if raw is not None else None
+
+    def _heartbeats(self) -> dict[int, dict]:
+        beats = {}
+        for rank in self.ranks:
+            hb = self._record(f"launch/hb/{self.attempt}/{rank}")
+            if hb is not None:
+                beats[rank] = hb
+        return beats
+
+    def _hang_timeout(self, hb: dict) -> float:
+        c = self.config
+        if hb.get("phase") != "step" or not hb.get("step_s"):
+            return c.startup_timeout_s
+        return max(c.hang_min_s, c.hang_factor * hb["step_s"])
+
+    def _watch(self, started: float, resumed_step: int | None, pending: list[Incident]) -> Incident | None:
+        """Poll the gang until it finishes (None) or fails (the incident); write pending incidents
+        once the gang trains again; relay in-place incidents; stop on a signal."""
+        seen_incidents: set[str] = set()
+        last_progress: dict[int, tuple[int, float]] = {}
+        exited_ok: set[int] = set()
+        while True:
+            if self._stop is not None:
+                return None
+            now = time.time()
+            beats = self._heartbeats()
+            self.health.update(beats, self.attempt)
+            if pending and any(hb.get("phase") == "step" for hb in beats.values()):
+                for inc in pending:  # training again: the time to recover is known
+                    inc.recovery_s = round(now - inc.detected_at, 3)
+                    self.incidents.write(inc)
+                pending.clear()
+            for key in self.store.keys(f"launch/incident/{self.attempt}/"):
+                if key not in seen_incidents:
+                    seen_incidents.add(key)
+                    rec, rank = self._record(key), int(key.split("/")[3])
+                    inc = Incident(self.run_id, self.attempt, rec["class"], rank, rec["step"], rec["evidence"],
+                                   rec["action"], detect_s=0.0, recovery_s=rec["recovery_s"],
+                                   steps_lost=rec["steps_lost"])
+                    self.incidents.write(inc)
+                    self.health.incident(inc)
+                    self.say(f"rank {rank}: {rec['class']} at step {rec['step']}: {rec['action']}")
+            failed = {}
+            for rank, p in self._procs.items():
+                rc = p.poll()
+                if rc is None:
+                    continue
+                if rc == 0:
+                    exited_ok.add(rank)
+                else:
+                    failed[rank] = rc
+            if failed:
+                return self._exit_incident(failed, beats)
+            if len(exited_ok) == len(self._procs):
+                return None
+            for rank, hb in beats.items():
+                if rank in exited_ok:
+                    continue
+                step = hb["step"], hb.get("phase")
+                if last_progress.get(rank, (None,))[0] != (step, hb["time"]):
+                    last_progress[rank] = ((step, hb["time"]), now)
+                waited, timeout = now - last_progress[rank][1], self._hang_timeout(hb)
+                if waited > timeout:
+                    return Incident(self.run_id, self.attempt, "hang", rank, hb["step"],
+                                    f"no heartbeat progress for {waited:.1f} s (timeout {timeout:.1f} s: "
+                                    f"{self.config.hang_factor:g} x the median step time {hb.get('step_s')} s, "
+                                    f"at least {self.config.hang_min_s:g} s); last phase {hb.get('phase')!r}",
+                                    "", detect_s=round(waited, 3))
+            silent = [r for r in self.ranks if r not in beats and r not in exited_ok]
+            if silent and now - started > self.config.startup_timeout_s:
+                return Incident(self.run_id, self.attempt, "hang", silent[0], resumed_step,
+                                f"no heartbeat within the startup timeout {self.config.startup_timeout_s:g} s", "")
+            time.sleep(POLL_S)
+
+    def _exit_incident(self, failed: dict, beats: dict[int, dict]) -> Incident:
+        """Classify a gang that exited with failures. The cause, in order: a rank's own report
+        other than a collective failure (that is a consequence); a rank that died without one
+        (killed); a collective failure; under mpiexec, the rank its report names."""
+        time.sleep(2 * POLL_S)  # a report written just before the exit
+        reports = {r: rec for r in self.ranks if (rec := self._record(f"launch/error/{self.attempt}/{r}"))}
+        own = [r for r, rec in reports.items() if rec["class"] != "collective_failure"]
+        silent = [r for r in failed if isinstance(r, int) and r not in reports]
+        mpi_rank, mpi_text = self._mpi_dead_rank(beats) if "mpiexec" in failed else (None, "")
+        if own:
+            rank = own[0]
+        elif silent or (mpi_rank is not None and mpi_rank not in reports):
+            rank = silent[0] if silent else mpi_rank
+            reports.pop(rank, None)
+        else:
+            rank = next(iter(reports), mpi_rank)
+        rep = reports.get(rank)
+        exit_text = describe_exit(failed[rank]) if rank in failed else \
+            "; ".join(filter(None, (mpi_text, f"mpiexec {describe_exit(failed['mpiexec'])}")))
+        quiet = [r for r in self.ranks if r not in reports]
+        if rep is not None and rep["class"] == "collective_failure" and quiet:
+            exit_text += f"; rank(s) {quiet} did not report the failed collective: stalled or dead there"
+        step = rep["step"] if rep else beats.get(rank, {}).get("step")
+        detect_s = round(time.time() - beats[rank]["time"], 3) if rank in beats else None
+        if rep is None:
+            return Incident(self.run_id, self.attempt, "dead_rank", rank, step, f"exit: {exit_text}", "",
+                            detect_s=detect_s)
+        return Incident(self.run_id, self.attempt, rep["class"], rank, step, f"{rep['evidence']} ({exit_text})", "",
+                        detect_s=detect_s)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _verified_checkpoint(self) -> tuple[int | None, list[Incident]]:
+        """The step of the newest checkpoint that verifies (None: start afresh); every corrupt or
+        truncated one found on the way is renamed *.corrupt (no longer a candidate) and reported."""
+        from kiln.checkpoint import CheckpointError, CheckpointFolder, load
+        found, incidents = [], []
+        folders = [self.run_dir / "checkpoints"] + sorted(self.run_dir.glob("*/checkpoints"))
+        for folder in (f for f in folders if f.is_dir()):
+            good = None
+            for path in CheckpointFolder(folder).candidates():
+                try:
+                    state = load(path)
+                except CheckpointError as e:
+                    text = str(e)
+                    cls = "checkpoint_truncated" if any(w in text for w in ("bytes long", "ends before", "truncated")) \
+                        else "checkpoint_corrupt"
+                    path.rename(path.with_name(path.name + ".corrupt"))
+                    incidents.append(Incident(self.run_id, self.attempt, cls, None, None, text,
+                                              f"set aside as {path.name}.corrupt; the previous checkpoint is used"))
+                    continue
+                good = int(state.get("step", 0)) if isinstance(state, dict) else 0
+                break
+            found.append(good)
+        if not found or any(g is None for g in found):
+            return None, incidents
+        return min(found), incidents
+
+    # ------------------------------------------------------------------ the run
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop is not None and signum == signal.SIGINT:  # a second Ctrl-C: no grace
+            self._signal_all(signal.SIGKILL)
+        self._stop = signum
+
+    def run(self) -> int:
+        """Run the gang to completion; 0 when it finished, 1 when the restart budget ran out or a
+        failure was not recoverable, 128 + signal when stopped by SIGINT/SIGTERM."""
+        c = self.config
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._open_store()
+        pending: list[Incident] = []
+        try:
+            resumed, bad = self._verified_checkpoint()
+            for inc in bad:
+                self.incidents.write(inc)
+            while True:
+                if c.node_rank == 0:
+                    self._clear_store()
+                self.say(f"run {self.run_id} attempt {self.attempt}: {c.nproc} rank(s) of {c.world_size}"
+                         + (f", resuming from step {resumed}" if resumed is not None else ""))
+                self.health.sample(self.attempt)
+                started = time.time()
+                self._spawn()
+                incident = self._watch(started, resumed, pending)
+                if self._stop is not None:
+                    name = signal.Signals(self._stop).name
+                    self.say(f"{name}: stopping the gang (SIGTERM, SIGKILL after {c.grace_s:g} s)")
+                    self._kill_gang(graceful=True)
+                    for inc in pending:
+                        inc.action += "; the run was stopped before it trained again"
+                        self.incidents.write(inc)
+                    return 128 + self._stop
+                if incident is None:
+                    self._kill_gang(graceful=False)  # nothing left, but never leave one behind
+                    for inc in pending:
+                        self.incidents.write(inc)
+                    self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
+                    return 0
+                self._kill_gang(graceful=False)
+                self.health.incident(incident)
+                self.say(f"rank {incident.rank}: {incident.cls} at step {incident.step}: {incident.evidence}")
+                for inc in pending:  # failed again before it trained: not recovered
+                    inc.action += "; failed again before training resumed"
+                    self.incidents.write(inc)
+                pending = []
+                if not CLASSES.get(incident.cls, True):
+                    incident.action = "gave up: not recoverable by a restart"
+                    self.incidents.write(incident)
+                    self.say(f"{incident.cls} is not recoverable by a restart; see {self.run_dir / 'logs'}")
+                    return 1
+                if self.attempt >= c.max_restarts:
+                    incident.action = f"gave up: the restart budget ({c.max_restarts}) is spent"
+                    self.incidents.write(incident)
+                    self.say(incident.action)
+                    return 1
+                resumed, bad = self._verified_checkpoint()
+                self.attempt += 1
+                for inc in bad:
+                    inc.attempt = self.attempt
+                    self.incidents.write(inc)
+                where = f"from step {resumed}" if resumed is not None else "from the start (no good checkpoint)"
+                incident.action = f"gang killed, restarted {where} (attempt {self.attempt})"
+                incident.resumed_from_step = resumed if resumed is not None else 0
+                if incident.step is not None:
+                    incident.steps_lost = incident.step - incident.resumed_from_step
+                pending = [incident]
+        finally:
+            self._kill_gang(graceful=False)
+            for s, h in previous.items():
+                signal.signal(s, h)
+            self.health.close()
+            self.store.close()

@@ -1,0 +1,210 @@
+"""`kiln launch` itself: the environment each rank gets, the gang torn down on Ctrl-C and on a
+rank's death, the detectors, the fault specs and bad launch options (issue 16)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.cli import main
+from kiln.errors import ConfigError, NotBuiltError
+from kiln.launch import BadStepDetector, LaunchConfig
+from kiln.launch.faults import FaultPlan, parse
+from kiln.launch.incidents import describe_exit
+from tests.launch_support import incidents, launch, processes_of
+
+STEPS = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_steps.py")]
+
+
+def test_every_rank_gets_torchruns_environment(tmp_path):
+    script = ("import json, os, sys; keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', "
+              "'MASTER_PORT', 'TORCHELASTIC_RESTART_COUNT', 'TORCHELASTIC_RUN_ID', 'KILN_RUN_DIR']; "
+              "open(os.path.join(os.environ['KILN_RUN_DIR'], 'env-' + os.environ['RANK'] + '.json'), 'w')"
+              ".write(json.dumps({k: os.environ[k] for k in keys})); print('hello from', os.environ['RANK'])")
+    proc = launch(tmp_path / "run", [sys.executable, "-c", script], "--nproc", 3, "--max-restarts", 0)
+    assert proc.returncode == 0, proc.stderr
+    envs = [json.loads((tmp_path / "run" / f"env-{r}.json").read_text()) for r in range(3)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"3"} and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"3"}
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs} == {"0"}
+    run_id = json.loads((tmp_path / "run" / "launch.json").read_text())["run_id"]
+    assert {e["TORCHELASTIC_RUN_ID"] for e in envs} == {run_id}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    for r in range(3):  # one log per rank, with its output
+        assert f"hello from {r}" in (tmp_path / "run" / "logs" / f"rank-{r}.log").read_text()
+
+
+def test_a_dead_rank_kills_and_restarts_the_whole_gang(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, [*STEPS, 12, 0.05], "--nproc", 2, "--max-restarts", 2, fault="kill@step=5,rank=1")
+    assert proc.returncode == 0, proc.stderr
+    [inc] = incidents(run)
+    assert (inc["class"], inc["rank"], inc["step"], inc["attempt"]) == ("dead_rank", 1, 5, 0)
+    assert inc["evidence"] == "exit: killed by SIGKILL" and inc["recovery_s"] > 0
+    for r in range(2):  # both ranks ran again in attempt 1 (rank 0 was killed with the gang)
+        assert json.loads((run / f"rank-{r}.json").read_text()) == {"step": 12, "attempt": 1}
+        assert (run / "logs" / f"rank-{r}.log").read_text().count("=== kiln launch: run") == 2
+    assert processes_of(run) == []
+
+
+def test_a_hung_rank_is_found_from_its_step_time(tmp_path):
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = launch(run, [*STEPS, 10, 0.05], "--nproc", 2, "--hang-timeout-min", 1.5, fault="hang@step=4,rank=0")
+    assert proc.returncode == 0, proc.stderr
+    [inc] = incidents(run)
+    assert (inc["class"], inc["rank"], inc["step"]) == ("hang", 0, 4)
+    assert "no heartbeat progress" in inc["evidence"]
+    assert time.monotonic() - t0 < 60
+    assert processes_of(run) == []
+
+
+def test_the_restart_budget_ends_the_run(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(run, [sys.executable, "-c", "import sys; sys.exit(3)"], "--max-restarts", 1)
+    assert proc.returncode == 1
+    found = incidents(run)
+    assert [i["class"] for i in found] == ["dead_rank", "dead_rank"]
+    assert "restarted" in found[0]["action"] and "restart budget (1) is spent" in found[1]["action"]
+    assert found[1]["evidence"] == "exit: exit status 3"
+
+
+def test_sigint_leaves_no_process_behind(tmp_path):
+    """Ctrl-C: every rank and everything it started is gone, and the launcher exits 130."""
+    run = tmp_path / "run"
+    rank = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"]
+    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nproc", 2, "--", *rank]
+    launcher = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(processes_of(run)) < 4 and time.monotonic() < deadline:  # 2 ranks + 2 grandchildren
+        time.sleep(0.1)
+    started = processes_of(run)
+    assert len(started) == 4
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, err
+    assert processes_of(run) == []
+    assert "SIGINT: stopping the gang" in err
+
+
+def test_no_orphans_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL of the supervisor itself: the ranks die with it (PR_SET_PDEATHSIG)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nproc", 2, "--",
+           sys.executable, "-c", "import time; time.sleep(300)"]
+    launcher = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(processes_of(run)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(processes_of(run)) == 2
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while processes_of(run) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_of(run) == []
+
+
+# ---------------------------------------------------------------------- detectors and specs
+def test_detector_flags_nan_and_a_spike_by_its_zscore():
+    rng = np.random.default_rng()
+    values = 2.0 + 0.05 * rng.standard_normal(30)
+    detector = BadStepDetector(z=6.0, window=20, min_history=10, ratio=1.0)
+    assert all(detector.check(i + 1, float(v), 1.0 + float(v)) is None for i, v in enumerate(values))
+    window = values[-20:]
+    spike = float(window.mean() + 7 * window.std(ddof=1))
+    bad = detector.check(31, spike, 3.0)
+    assert (bad.kind, bad.series, bad.step) == ("spike", "loss", 31)
+    assert math.isclose(bad.zscore, 7.0, rel_tol=1e-9)
+    # the spike stayed out of the window: a value 5 sigma up is still below the threshold
+    assert detector.check(32, float(window.mean() + 5 * window.std(ddof=1)), 3.0) is None
+    bad = detector.check(33, 2.0, float("nan"))
+    assert (bad.kind, bad.series) == ("nan", "grad_norm")
+    assert BadStepDetector(min_history=10).check(1, float("inf"), None).kind == "nan"
+    # a smooth series' natural rise is no spike when it is under `ratio` x the mean
+    smooth = BadStepDetector(z=6.0, window=20, min_history=10, ratio=2.0)
+    assert all(smooth.check(i, 2.0, 1.0 + 1e-3 * i) is None for i in range(1, 15))
+    assert smooth.check(15, 2.0, 1.5) is None and smooth.check(16, 2.0, 30.0).kind == "spike"
+
+
+def test_fault_specs_parse_and_fire_once_on_their_rank_and_attempt():
+    [a, b] = parse("kill@step=7,rank=1; spike@step=3,scale=100,attempt=1")
+    assert (a.kind, a.step, a.rank, a.attempt) == ("kill", 7, 1, 0)
+    assert (b.kind, b.step, b.attempt, b.options) == ("spike", 3, 1, {"scale": "100"})
+    plan = FaultPlan([b], rank=0, attempt=1)
+    assert plan.loss_scale(2) is None and plan.loss_scale(3) == 100.0 and plan.loss_scale(3) is None
+    assert FaultPlan.from_env(0, 1, {"KILN_FAULT": "kill@step=7,rank=1"}) is None
+    for bad in ("explode@step=1", "kill@rank=1", "kill@step=x", "kill@step"):
+        with pytest.raises(ConfigError):
+            parse(bad)
+
+
+def test_exit_descriptions():
+    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(137) == "killed by SIGKILL"
+    assert describe_exit(1) == "exit status 1"
+
+
+def test_bad_launch_options_are_errors(tmp_path, capsys):
+    for args in (["--nproc", "0"], ["--nnodes", "2", "--node-rank", "0"], ["--on-bad-step", "ignore"],
+                 ["--node-rank", "3"], ["--master", "nohost"]):
+        assert main(["launch", "--run-dir", str(tmp_path / "r"), *args, "--", "true"]) == 2
+        assert capsys.readouterr().err.startswith("kiln: error:")
+    assert main(["launch", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "needs a command" in capsys.readouterr().err
+    with pytest.raises(NotBuiltError, match="several nodes"):
+        LaunchConfig(["true"], tmp_path, nnodes=2, master="h:1", max_restarts=1).validate()
+    assert os.environ.get("KILN_LAUNCH_STORE") is None
+
+
+def test_health_says_not_available_without_nvml_or_prometheus(tmp_path):
+    """On a machine without NVML (or without the optional packages) each part says so and the
+    supervisor goes on: no GPUs chosen, no pinning, no metrics server."""
+    from kiln.launch.health import Health, _cpulist
+    said = []
+    health = Health(tmp_path / "health.jsonl", prometheus_port=_free_port(), say=said.append)
+    try:
+        import pynvml  # noqa: F401
+        has_nvml = True
+    except ImportError:
+        has_nvml = False
+    try:
+        import prometheus_client  # noqa: F401
+        has_prom = True
+    except ImportError:
+        has_prom = False
+    if not has_nvml:
+        assert health.usable_gpus(2) is None and health.cpus_for(0) is None
+        assert any(m.startswith("GPU health: not available") for m in said)
+        health.sample(0)
+        assert not (tmp_path / "health.jsonl").exists()
+    if not has_prom:
+        assert health.prom is None and any(m.startswith("Prometheus export: not available") for m in said)
+    health.close()
+    assert _cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_rendezvous_through_the_launchers_store(tmp_path):
+    """One store per job: under kiln launch no rank serves another (TORCHELASTIC_USE_AGENT_STORE),
+    and the ranks' exchange (the NCCL id's path without MPI) goes through the launcher's."""
+    run = tmp_path / "run"
+    proc = launch(run, [sys.executable, str(Path(__file__).parent / "ranks" / "launch_store.py")], "--nproc", 3)
+    assert proc.returncode == 0, proc.stderr
+    for r in range(3):
+        got = json.loads((run / f"store-{r}.json").read_text())
+        assert got == {"agent_store": True, "serves": False, "launcher": "torchrun", "ranks": [0, 1, 2]}
