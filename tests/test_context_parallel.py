@@ -5,7 +5,11 @@ contiguous and the zigzag (load-balanced) layout; and the data-boundary layout i
 import numpy as np
 import pytest
 
-from kiln.distributed.context_parallel import TRANSPORTS, sequence_positions, shard_sequence
+from kiln.distributed.context_parallel import (
+    TRANSPORTS,
+    sequence_positions,
+    shard_sequence,
+)
 from kiln.errors import ShapeError
 from tests.mpi_runner import run_ranks
 

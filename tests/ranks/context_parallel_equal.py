@@ -7,7 +7,11 @@ from rank_output import write_result
 
 import kiln
 import kiln.distributed as dist
-from kiln.distributed.context_parallel import TRANSPORTS, context_parallel_attention, shard_sequence
+from kiln.distributed.context_parallel import (
+    TRANSPORTS,
+    context_parallel_attention,
+    shard_sequence,
+)
 from kiln.nn import functional as F
 
 world = dist.init_process_group("mpi", timeout=60)

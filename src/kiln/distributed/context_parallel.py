@@ -104,7 +104,7 @@ class _Ring:
 
     def start(self, array):
         """Launch the rotation of array; (received array, work) - wait on work before reading it."""
-        recv = array_module(array).empty_like(array)
+        recv = array_module(array).empty(array.shape, dtype=array.dtype)
         g = self.group
         work = g.send_recv(_wrap(array), (g.rank + 1) % g.size, _wrap(recv), (g.rank - 1) % g.size, async_op=True)
         return recv, work
@@ -134,7 +134,7 @@ class RingAttention(Function):
     def forward(ctx, q, k, v, group, transport, zigzag, scale):
         backend, xp = q.backend, q.backend.xp
         acc = xp.float64 if q.data.dtype == xp.float64 else xp.float32
-        kv = xp.stack([k.data, v.data])
+        kv = xp.ascontiguousarray(xp.stack([k.data, v.data]))
         out = xp.zeros(q.shape, dtype=acc)
         lse = xp.full(q.shape[:-1], -xp.inf, dtype=acc)
         r, w = group.rank, group.size
@@ -161,7 +161,7 @@ class RingAttention(Function):
         backend, xp = array_backend(q), array_module(q)
         acc = out.dtype
         g = g.astype(acc, copy=False)
-        kv = xp.stack([k, v])
+        kv = xp.ascontiguousarray(xp.stack([k, v]))
         dq = xp.zeros(q.shape, dtype=acc)
         r, w = group.rank, group.size
         if transport == "all_gather":
@@ -207,7 +207,7 @@ def _heads_to_ranks(group, x):
     b, n, h, tl, d = x.shape
     w = group.size
     send = xp.ascontiguousarray(x.reshape(b, n, w, h // w, tl, d).transpose(2, 0, 1, 3, 4, 5))  # block j: j's heads
-    recv = xp.empty_like(send)  # block j: rank j's tokens of my heads
+    recv = xp.empty(send.shape, dtype=send.dtype)  # block j: rank j's tokens of my heads
     group.all_to_all(_wrap(recv), _wrap(send))
     return recv.transpose(1, 2, 3, 0, 4, 5).reshape(b, n, h // w, w * tl, d)
 
@@ -218,7 +218,7 @@ def _ranks_to_heads(group, y):
     b, n, hl, t, d = y.shape
     w = group.size
     send = xp.ascontiguousarray(y.reshape(b, n, hl, w, t // w, d).transpose(3, 0, 1, 2, 4, 5))  # block j: j's tokens
-    recv = xp.empty_like(send)  # block j: my tokens of rank j's heads
+    recv = xp.empty(send.shape, dtype=send.dtype)  # block j: my tokens of rank j's heads
     group.all_to_all(_wrap(recv), _wrap(send))
     return recv.transpose(1, 2, 0, 3, 4, 5).reshape(b, n, w * hl, t // w, d)
 
