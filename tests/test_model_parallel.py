@@ -22,7 +22,8 @@ def test_mesh_training_equals_one_process_and_its_checkpoint_loads_anywhere(dp, 
     for r, res in enumerate(results):
         assert res["grad_group"] == dp * cp, (r, res)
         assert res["moved"] > 1e-3  # the 5 steps changed the weights: the comparison is not of the start
-        assert res["param_diff"] <= 1e-10 and res["loss_diff"] <= 1e-10, (r, res)
+        assert res["param_diff"] <= 1e-10 and res["loss_diff"] <= 1e-10 and res["norm_diff"] <= 1e-10, (r, res)
+        assert res["ref_norms"][0] > 0.5  # the clip acted
         assert res["other_layout_loss_diff"] <= 1e-10, (r, res)
     saved = load(tmp_path / "mesh.kiln")
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)).to(dtype="float64")

@@ -5,7 +5,7 @@ mesh's sizes and the model code does not change.
     run = ModelParallel(GPT(cfg), mesh)                 # shards the dense weights (TP), shards attention (CP)
     idx, targets, pos = run.batch(x, y)                 # this rank's rows (dp) and tokens (cp, zigzag)
     loss = run.model(idx, targets, pos)[1]; loss.backward()
-    run.wait_gradients(); optimizer.step()
+    run.wait_gradients(); run.clip_grad_norm_(1.0); optimizer.step()
     state = run.dense_state_dict()                      # the dense GPT's: loads into any layout or one process
 
 Gradients are averaged over the ranks that hold the same shards (dp x cp: each holds other rows
@@ -15,6 +15,8 @@ the tp ranks' replicated parameters get equal gradients by construction (tensor_
 
 from __future__ import annotations
 
+import math
+
 from kiln.distributed.context_parallel import (
     TRANSPORTS,
     parallelize_context,
@@ -22,7 +24,11 @@ from kiln.distributed.context_parallel import (
     shard_sequence,
 )
 from kiln.distributed.ddp import DistributedDataParallel
-from kiln.distributed.tensor_parallel import dense_state_dict, parallelize_tensor
+from kiln.distributed.tensor_parallel import (
+    dense_state_dict,
+    parallelize_tensor,
+    shard_layout,
+)
 from kiln.errors import ConfigError, ShapeError
 from kiln.tensor import Tensor
 
@@ -69,6 +75,27 @@ class ModelParallel:
         """Every gradient averaged over the dp x cp ranks (no-op when there are none)."""
         if self.ddp is not None:
             self.ddp.wait_gradients()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every gradient by min(1, max_norm / (norm + 1e-6)) (torch's coefficient), norm the
+        dense model's global L2 norm: the squares of the tp shards summed over tp, the replicated
+        parameters' counted once. Call after wait_gradients(); returns the norm."""
+        if not max_norm > 0:
+            raise ConfigError(f"clip_grad_norm_ needs max_norm > 0, got {max_norm}")
+        layout = shard_layout(self.model) if self.tp is not None else {}
+        grads = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
+        backend = grads[0][1].backend
+        sharded = [g.data for name, g in grads if name in layout]
+        squares = backend.xp.asarray([float(backend.grad_norm(sharded)) ** 2 if sharded else 0.0])
+        if self.tp is not None:
+            self.tp.all_reduce(Tensor._wrap(squares, grads[0][1].device))
+        replicated = [g.data for name, g in grads if name not in layout]
+        norm = math.sqrt(float(squares[0]) + float(backend.grad_norm(replicated)) ** 2)
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for _, g in grads:
+                g.data *= coef
+        return norm
 
     def dense_state_dict(self) -> dict:
         """The dense GPT's parameters (backend arrays; collective over tp) - a checkpoint of any layout."""
