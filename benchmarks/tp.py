@@ -80,7 +80,7 @@ def run_torch(args, cfg, data, kiln_state):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
     h = cfg.n_head // world
 
     class Block(nn.Module):
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         for row in rows:
             print(f"{row['framework']:12s} N={row['chunks']!s:5s} {row['tokens_per_s']:12.0f} tok/s  "
                   f"peak {row['peak_bytes']!s:>12s} B  loss diff {row['loss_diff']:.2e}")
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         result = {"benchmark": "tp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),
                   "args": vars(args), "rows": rows}
