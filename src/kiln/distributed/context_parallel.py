@@ -231,16 +231,17 @@ class UlyssesAttention(Function):
     def forward(ctx, q, k, v, group, zigzag, scale):
         backend, xp = q.backend, q.backend.xp
         order = _layout_order(q.shape[-2] * group.size, group.size, zigzag)  # rank-order token i: position order[i]
-        full = _heads_to_ranks(group, xp.stack([q.data, k.data, v.data], axis=1))[:, :, :, order.argsort()]
+        order, inverse = xp.asarray(order), xp.asarray(order.argsort())  # device index arrays
+        full = _heads_to_ranks(group, xp.stack([q.data, k.data, v.data], axis=1))[:, :, :, inverse]
         qf, kf, vf = full[:, 0], full[:, 1], full[:, 2]
         out, lse = backend.attention_fwd(qf, kf, vf, scale)
-        ctx.meta = (qf, kf, vf, out, lse, group, order, scale, backend)
+        ctx.meta = (qf, kf, vf, out, lse, group, order, inverse, scale, backend)
         return _ranks_to_heads(group, out[:, None, :, order])[:, 0]
 
     @staticmethod
     def backward(ctx, g):
-        qf, kf, vf, out, lse, group, order, scale, backend = ctx.meta
-        gf = _heads_to_ranks(group, g[:, None])[:, 0][:, :, order.argsort()]
+        qf, kf, vf, out, lse, group, order, inverse, scale, backend = ctx.meta
+        gf = _heads_to_ranks(group, g[:, None])[:, 0][:, :, inverse]
         grads = backend.attention_bwd(gf, qf, kf, vf, out, lse, scale)
         d = _ranks_to_heads(group, backend.xp.stack([a[:, :, order] for a in grads], axis=1))
         return d[:, 0], d[:, 1], d[:, 2]
