@@ -51,3 +51,42 @@ def test_tp_and_cp_over_a_world_of_one_equal_the_dense_gpt_on_the_cpu():
 @pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")
 def test_tp_and_cp_over_nccl_at_world_size_one_equal_the_dense_gpt_on_the_gpu():
     _check("nccl", "cuda", "float32", 1e-5)
+
+
+def test_async_tp_launches_each_chunks_all_reduce_before_the_next_chunks_gemm(monkeypatch):
+    from kiln.distributed.tensor_parallel import RowParallelLinear
+    from kiln.nn import Linear
+    dist.destroy_process_group()
+    world = dist.init_process_group("mpi", timeout=60, env=dist.Environment(0, 1, 0, 1, "127.0.0.1", 29500, "single"))
+    try:
+        row = RowParallelLinear(Linear(16, 8), world, chunks=4)
+        x = kiln.randn(2, 8, 16)
+        events = []
+        backend = x.backend
+        gemm, all_reduce = backend.linear_fwd, world.all_reduce
+
+        def traced_gemm(a, w, b):
+            events.append(("gemm", a.shape[0]))
+            return gemm(a, w, b)
+
+        class Traced:  # the Work of an all-reduce, recording when it is waited on
+            def __init__(self, work, i):
+                self.work, self.i = work, i
+
+            def wait(self):
+                events.append(("wait", self.i))
+                self.work.wait()
+
+        def traced_all_reduce(t, op="sum", async_op=False):
+            events.append(("all_reduce", t.numel()))
+            return Traced(all_reduce(t, op, async_op=async_op), len([e for e in events if e[0] == "all_reduce"]) - 1)
+
+        monkeypatch.setattr(backend, "linear_fwd", traced_gemm)
+        monkeypatch.setattr(world, "all_reduce", traced_all_reduce)
+        y = row(x)
+        # chunk i's all-reduce is in flight while chunk i+1's GEMM runs; the waits come after the last launch
+        assert events == [e for i in range(4) for e in (("gemm", 4), ("all_reduce", 32))] + \
+            [("wait", i) for i in range(4)]
+        np.testing.assert_allclose(y.numpy(), (x.numpy() @ row.weight.numpy().T + row.bias.numpy()), rtol=1e-6)
+    finally:
+        dist.destroy_process_group()
