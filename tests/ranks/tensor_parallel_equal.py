@@ -20,8 +20,7 @@ from kiln.distributed.tensor_parallel import (
     shard,
     shard_layout,
 )
-from kiln.nn import GPT, Embedding, GPTConfig, Linear
-from kiln.nn import functional as F
+from kiln.nn import GPT, Embedding, GPTConfig, Linear, functional as F
 
 world = dist.init_process_group("mpi", timeout=60)
 W, r = world.size, world.rank
