@@ -43,6 +43,8 @@ def _all_reduce(group, array, op: str = "sum", async_op: bool = False):
 class CopyToParallel(Function):
     """Megatron's f: identity forward; the backward sums the input's gradient over the group."""
 
+    is_view = True  # the output is the input's array: one version counter
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group

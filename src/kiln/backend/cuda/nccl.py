@@ -129,9 +129,11 @@ class Communicator:
 
         def call(s):
             nccl.groupStart()
-            self._comm.send(send.data.ptr, send.size, _datatype(send), dst, s)
-            self._comm.recv(recv.data.ptr, recv.size, _datatype(recv), src, s)
-            nccl.groupEnd()
+            try:
+                self._comm.send(send.data.ptr, send.size, _datatype(send), dst, s)
+                self._comm.recv(recv.data.ptr, recv.size, _datatype(recv), src, s)
+            finally:
+                nccl.groupEnd()
         return self._run(call)
 
     def all_to_all(self, send, recv):
@@ -144,10 +146,12 @@ class Communicator:
 
         def call(s):
             nccl.groupStart()
-            for peer in range(self.world_size):
-                self._comm.send(s_ptr + peer * step, n, dtype, peer, s)
-                self._comm.recv(r_ptr + peer * step, n, dtype, peer, s)
-            nccl.groupEnd()
+            try:
+                for peer in range(self.world_size):
+                    self._comm.send(s_ptr + peer * step, n, dtype, peer, s)
+                    self._comm.recv(r_ptr + peer * step, n, dtype, peer, s)
+            finally:
+                nccl.groupEnd()
         return self._run(call)
 
     def async_error(self) -> str | None:
