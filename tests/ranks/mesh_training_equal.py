@@ -4,7 +4,7 @@ argv: dp tp cp transport chunks out_dir. Every rank also trains the single-proce
 (same seed, whole batch) and reports the largest difference of the dense parameters (TP shards
 gathered) after the steps, of each step's loss (the mean over the dp x cp ranks) and of its gradient norm
 (clipped at 0.5 on both sides). Then the
-run's dense state is loaded into another layout (cp over the whole world, Ulysses) whose loss on a
+run's dense state is loaded into another layout (cp over the whole world, Ulysses where the heads allow) whose loss on a
 fresh batch must equal the reference's, and rank 0 saves it as a kiln checkpoint for one process."""
 
 import sys
@@ -71,7 +71,8 @@ param_diff = max(float(np.max(np.abs(state[n] - p.numpy()))) for n, p in ref.nam
 
 # the checkpoint in another layout: the whole world one cp group (Ulysses), a fresh batch
 x, y = data[STEPS]
-other = ModelParallel(gpt(state), dist.DeviceMesh({"cp": W}), transport="all_to_all")
+ulysses = cfg.n_head % W == 0  # all-to-all splits the heads over the ranks
+other = ModelParallel(gpt(state), dist.DeviceMesh({"cp": W}), transport="all_to_all" if ulysses else "p2p")
 idx, tgt, pos = other.batch(x, y)
 mean = kiln.tensor(np.array([other.model(idx, tgt, pos)[1].item()]))
 world.all_reduce(mean, "avg")
