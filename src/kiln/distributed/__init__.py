@@ -1,20 +1,24 @@
-"""kiln.distributed: process groups over NCCL (CUDA) and MPI (CPU), DeviceMesh, data parallelism.
+"""kiln.distributed: process groups over NCCL (CUDA) and MPI (CPU), DeviceMesh, data, tensor and
+context parallelism.
 
     import kiln.distributed as dist
     world = dist.init_process_group()             # mpiexec, torchrun's or SLURM's environment
     model = dist.DistributedDataParallel(model)    # Algorithm 1 (paper §4.1)
     zero = dist.ZeroDataParallel(model, AdamW(...), stage=2)      # or stage=1: ZeRO's shards
     fsdp = dist.FullyShardedDataParallel(model, AdamW(...))       # ZeRO-3: parameters sharded too
+    run = dist.ModelParallel(GPT(cfg), dist.DeviceMesh({"dp": -1, "cp": 2, "tp": 2}))  # §4.2, §4.3
 
 Engines, not hand-written collectives (DESIGN.md, Distributed): NCCL through the backend's
 `cupy.cuda.nccl` wrapper, MPI through mpi4py. See process_group.py for the collectives' meaning.
 """
 
 from kiln.distributed.buckets import Bucket, GradientBuckets
+from kiln.distributed.context_parallel import context_parallel_attention, parallelize_context
 from kiln.distributed.ddp import DistributedDataParallel
 from kiln.distributed.environment import Environment, detect
 from kiln.distributed.fsdp import FullyShardedDataParallel
 from kiln.distributed.mesh import DeviceMesh
+from kiln.distributed.model_parallel import ModelParallel
 from kiln.distributed.process_group import (
     ProcessGroup,
     abort_job,
@@ -31,6 +35,7 @@ from kiln.distributed.process_group import (
 )
 from kiln.distributed.shards import FlatShard, ShardedAdamW
 from kiln.distributed.store import StoreServer, TCPStore
+from kiln.distributed.tensor_parallel import parallelize_tensor
 from kiln.distributed.work import Work
 from kiln.distributed.zero import ZeroDataParallel
 from kiln.errors import DistributedError
@@ -44,6 +49,7 @@ __all__ = [
     "FlatShard",
     "FullyShardedDataParallel",
     "GradientBuckets",
+    "ModelParallel",
     "ProcessGroup",
     "ShardedAdamW",
     "StoreServer",
@@ -54,6 +60,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "context_parallel_attention",
     "destroy_process_group",
     "detect",
     "get_rank",
@@ -62,4 +69,6 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "new_group",
+    "parallelize_context",
+    "parallelize_tensor",
 ]

@@ -79,6 +79,14 @@ class MPIEngine:
     def recv(self, array, src: int) -> Work:
         return self._work(f"recv from {src} of {array.size} {array.dtype}", self.comm.Irecv(_bytes(array), source=src))
 
+    def send_recv(self, send, dst: int, recv, src: int) -> Work:
+        reqs = [self.comm.Isend(_bytes(send), dest=dst), self.comm.Irecv(_bytes(recv), source=src)]
+        return self._work(f"send_recv of {send.size} {send.dtype} to {dst}, from {src}", _Both(reqs))
+
+    def all_to_all(self, output, input) -> Work:
+        req = self.comm.Ialltoall(_bytes(input), _bytes(output))
+        return self._work(f"all_to_all of {input.size} {input.dtype}", req)
+
     def barrier(self) -> Work:
         return self._work("barrier", self.comm.Ibarrier())
 
@@ -104,3 +112,14 @@ class MPIEngine:
 
     def abort(self) -> None:
         mpi().COMM_WORLD.Abort(1)
+
+
+class _Both:
+    """Requests that complete together: Test() is true once all of them are."""
+
+    def __init__(self, requests):
+        self.requests = requests
+
+    def Test(self) -> bool:
+        from mpi4py import MPI
+        return MPI.Request.Testall(self.requests)

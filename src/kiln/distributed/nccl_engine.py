@@ -134,6 +134,13 @@ class NCCLEngine:
     def recv(self, array, src: int) -> Work:
         return self._work(f"recv from {src} of {array.size} {array.dtype}", lambda: self.comm.recv(array, src))
 
+    def send_recv(self, send, dst: int, recv, src: int) -> Work:
+        return self._work(f"send_recv of {send.size} {send.dtype} to {dst}, from {src}",
+                          lambda: self.comm.send_recv(send, dst, recv, src))
+
+    def all_to_all(self, output, input) -> Work:
+        return self._work(f"all_to_all of {input.size} {input.dtype}", lambda: self.comm.all_to_all(input, output))
+
     def barrier(self) -> Work:
         from kiln.backend import get_backend
         token = get_backend("cuda").zeros((1,), "float32")

@@ -124,6 +124,22 @@ class ProcessGroup:
         """tensor <- what rank src sends."""
         return self._done(self.engine.recv(self._array(tensor), self._peer(src, "src")), async_op, tensor)
 
+    def send_recv(self, send, dst: int, recv, src: int, async_op: bool = False):
+        """Send `send` to rank dst and receive rank src's into `recv`, as one operation: a ring
+        step (every rank sends and receives at once) cannot deadlock. Context parallelism, §4.3."""
+        work = self.engine.send_recv(self._array(send, "send"), self._peer(dst, "dst"),
+                                     self._array(recv, "recv"), self._peer(src, "src"))
+        return self._done(work, async_op, recv)
+
+    def all_to_all(self, output, input, async_op: bool = False):
+        """output's block j <- rank j's input block r (this rank r); blocks are the inputs' and
+        output's reshape(size, -1) rows: Ulysses' head exchange (§4.3)."""
+        if output.numel() != input.numel() or input.numel() % self.size or input.dtype is not output.dtype:
+            raise ShapeError(f"all_to_all needs input and output of one size divisible by {self.size} "
+                             f"and one dtype; got {input.numel()} {input.dtype} -> {output.numel()} {output.dtype}")
+        work = self.engine.all_to_all(self._array(output, "output"), self._array(input, "input"))
+        return self._done(work, async_op, output)
+
     def barrier(self) -> None:
         """Return once every rank of the group has reached it (the host blocks; never inside a step)."""
         self.engine.barrier().synchronize()

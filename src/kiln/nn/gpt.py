@@ -102,11 +102,19 @@ class CausalSelfAttention(Module):
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, generator=generator)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
         self.resid_dropout = Dropout(cfg.dropout)
+        # The attention over a sharded sequence (kiln.distributed.context_parallel, §4.3), set by
+        # the parallel strategy; None: this rank holds the whole sequence.
+        self.context = None
 
     def forward(self, x):
         # q, k, v stay packed in c_attn's [B, T, 3C] output: the attention kernels read them (and
         # write their gradients) in place, and return [B, T, C] with the heads side by side
-        return self.resid_dropout(self.c_proj(F.causal_self_attention(self.c_attn(x), self.n_head)))
+        qkv = self.c_attn(x)
+        if self.context is None:
+            y = F.causal_self_attention(qkv, self.n_head)
+        else:
+            y = self.context(qkv, self.n_head)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(Module):
@@ -118,12 +126,7 @@ class MLP(Module):
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x):
-        fc = self.c_fc
-        if fc.bias is None:
-            h = F.gelu(fc(x))
-        else:  # one op: on the GPU in bf16 the GELU is the GEMM's epilogue
-            h = F.linear_gelu(x, as_dtype_of(fc.weight, x), as_dtype_of(fc.bias, x))
-        return self.dropout(self.c_proj(h))
+        return self.dropout(self.c_proj(self.c_fc.forward_gelu(x)))
 
 
 class Block(Module):
@@ -166,15 +169,20 @@ class GPT(Module):
         self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
         if not cfg.tie_weights:
             self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False, generator=generator)
+        # The LM head and loss over a vocabulary sharded across tensor-parallel ranks
+        # (kiln.distributed.tensor_parallel, §4.2), set by the parallel strategy; None: dense.
+        self.vocab_parallel = None
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None):
+    def forward(self, idx: Tensor, targets: Tensor | None = None, pos: Tensor | None = None):
         """(logits [B, T, V], loss or None) for token ids idx [B, T]; with targets and the fused LM
-        head (the default), (None, loss): the logits are never made whole."""
+        head (the default), (None, loss): the logits are never made whole. pos: their positions (default
+        0..T-1; a context-parallel rank holds other positions, kiln.distributed.context_parallel)."""
         b, t = idx.shape
         if t > self.config.block_size:
             raise ConfigError(f"sequence of length {t} is longer than the model's context "
                               f"({self.config.block_size})")
-        pos = arange(t, device=idx.device)
+        if pos is None:
+            pos = arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         if self.compute_dtype is not None and x.dtype is not self.compute_dtype:
             x = x.to(self.compute_dtype)
@@ -187,6 +195,8 @@ class GPT(Module):
             x, h = block(x, h, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f)
         x = h
         head = self.wte.weight if self.config.tie_weights else self.lm_head.weight
+        if self.vocab_parallel is not None:  # logits of this rank's vocabulary shard, never gathered
+            return self.vocab_parallel(x, as_dtype_of(head, x), targets)
         if targets is not None and self.fused_lm_head:
             return None, F.lm_head_cross_entropy(x, as_dtype_of(head, x), targets)
         logits = F.linear(x, as_dtype_of(head, x))

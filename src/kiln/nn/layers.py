@@ -37,6 +37,12 @@ class Linear(Module):
     def forward(self, x):
         return F.linear(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x))
 
+    def forward_gelu(self, x):
+        """gelu(self(x)); with a bias one op (F.linear_gelu: on the GPU in bf16 the GELU is the GEMM's epilogue)."""
+        if self.bias is None:
+            return F.gelu(self.forward(x))
+        return F.linear_gelu(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x))
+
 
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, std: float = 0.02, generator=None):

@@ -30,18 +30,20 @@ def _causal_mask(t: int, dtype) -> np.ndarray:
     return m
 
 
-def _causal_scores(q, k, scale):
-    """scale * q @ k^T, masked; the scale is applied to k^T ([D, T]), not to the [T, T] scores."""
+def _scores(q, k, scale, causal):
+    """scale * q @ k^T, masked when causal; the scale is applied to k^T ([D, T]), not to the [T, T] scores."""
     kt = _transposed(k)
     kt *= scale
     s = q @ kt
-    s += _causal_mask(q.shape[-2], s.dtype)
+    if causal:
+        s += _causal_mask(q.shape[-2], s.dtype)
     return s
 
 
-def attention_fwd(q, k, v, scale):
-    """(out, lse) for q, k, v of shape [B, H, T, D], causal."""
-    s = _causal_scores(_c(q), _c(k), scale)
+def attention_fwd(q, k, v, scale, causal=True):
+    """(out, lse) for q [B, H, Tq, D] and k, v [B, H, Tk, D]; causal (Tq == Tk) or, for context
+    parallelism's off-diagonal blocks (§4.3), every query sees every key."""
+    s = _scores(_c(q), _c(k), scale, causal)
     m = s.max(axis=-1, keepdims=True)
     s -= m
     p = np.exp(s, out=s)
@@ -52,11 +54,11 @@ def attention_fwd(q, k, v, scale):
     return out.astype(q.dtype, copy=False), lse
 
 
-def attention_bwd(grad, q, k, v, out, lse, scale, into=None):
+def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True):
     """(dq, dk, dv) from the saved inputs, output and log-sum-exp; copied into `into` = (dq, dk, dv)
     when given (views of one packed gradient, as the CUDA kernels write them)."""
     g, qc, kc, vc = _c(grad), _c(q), _c(k), _c(v)
-    s = _causal_scores(qc, kc, scale)
+    s = _scores(qc, kc, scale, causal)
     s -= lse[..., None]
     p = np.exp(s, out=s)
     dv = np.swapaxes(p, -1, -2) @ g

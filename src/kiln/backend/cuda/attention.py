@@ -18,7 +18,7 @@ from kiln.backend.cpu import attention as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
 from kiln.backend.cuda.launch import cdiv, cpu_fallback, ctype, f32, get_kernel, i32, i64
-from kiln.errors import ShapeError
+from kiln.errors import NotBuiltError, ShapeError
 
 ATTENTION_HEAD_DIMS = (32, 64, 128)
 TC_ROWS = 64  # rows per block in every tensor-core kernel: 4 warps x 16 (kTcRows)
@@ -115,8 +115,16 @@ def _args(*strides):
     return tuple(i64(x) for s in strides for x in s)
 
 
-def attention_fwd(q, k, v, scale):
+def _causal_only(causal: bool) -> None:
+    if not causal:
+        raise NotBuiltError("the CUDA attention kernels are causal only: the full (non-causal) blocks of "
+                            "ring/all-gather context parallelism need a kernel not built yet; on the GPU use "
+                            "the all_to_all (Ulysses) transport, which runs the causal kernel")
+
+
+def attention_fwd(q, k, v, scale, causal=True):
     """(out [B, H, T, D] in q's dtype, laid out [B, T, H, D]; lse [B, H, T] float32) for causal attention."""
+    _causal_only(causal)
     if not _usable(q):
         return cpu_fallback(cpu.attention_fwd, q, k, v, scale)
     _check(q)
@@ -136,9 +144,10 @@ def attention_fwd(q, k, v, scale):
     return out, lse
 
 
-def attention_bwd(grad, q, k, v, out, lse, scale, into=None):
+def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True):
     """(dq, dk, dv) recomputed from q, k, v, out and lse; written into `into` = (dq, dk, dv) when given
     (views of one packed gradient, say), else into new [B, H, T, D] arrays laid out [B, T, H, D]."""
+    _causal_only(causal)
     if not _usable(q):
         grads = cpu_fallback(cpu.attention_bwd, grad, q, k, v, out, lse, scale)
         return _fill(into, grads)

@@ -122,6 +122,38 @@ class Communicator:
         _check_contiguous(array)
         return self._run(lambda s: self._comm.recv(array.data.ptr, array.size, _datatype(array), peer, s))
 
+    def send_recv(self, send, dst: int, recv, src: int):
+        """One grouped send and receive (ncclGroupStart/End): a ring step that cannot deadlock."""
+        _check_contiguous(send, recv)
+        nccl = _nccl()
+
+        def call(s):
+            nccl.groupStart()
+            try:
+                self._comm.send(send.data.ptr, send.size, _datatype(send), dst, s)
+                self._comm.recv(recv.data.ptr, recv.size, _datatype(recv), src, s)
+            finally:
+                nccl.groupEnd()
+        return self._run(call)
+
+    def all_to_all(self, send, recv):
+        """recv's block j <- rank j's send block (this rank): grouped sends and receives."""
+        _check_contiguous(send, recv)
+        nccl = _nccl()
+        n = send.size // self.world_size
+        step = n * send.itemsize
+        s_ptr, r_ptr, dtype = send.data.ptr, recv.data.ptr, _datatype(send)
+
+        def call(s):
+            nccl.groupStart()
+            try:
+                for peer in range(self.world_size):
+                    self._comm.send(s_ptr + peer * step, n, dtype, peer, s)
+                    self._comm.recv(r_ptr + peer * step, n, dtype, peer, s)
+            finally:
+                nccl.groupEnd()
+        return self._run(call)
+
     def async_error(self) -> str | None:
         """NCCL's asynchronous error of this communicator (a peer that died, a network fault), if any."""
         try:
