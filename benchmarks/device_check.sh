@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call that checks a session's work on a GPU machine: the CUDA tests, then whichever
+# benchmark parts are named (each under its own time limit, its log in one archive under $OUT).
+#
+#   OUT=/tmp/out bash benchmarks/device_check.sh tests gpt2 ddp tp cp precision profile launch
+#
+# Parts: tests (pytest -m "cuda and not slow"), gpt2 (gpt2_step bf16: kiln vs eager vs compile),
+# ddp / tp / cp (the parallel benchmarks at world size 1), precision (kiln compare on the GPU in
+# bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings),
+# launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered).
+set -u
+OUT=${OUT:?set OUT to a folder for the logs}
+LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+part() {  # part NAME SECONDS COMMAND...: run COMMAND with a time limit, its output into NAME.log
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
+    tail -n 4 "$LOGS/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/summary.txt"
+for p in "$@"; do
+    case $p in
+        tests) part pytest-cuda 220 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider tests ;;
+        gpt2) part gpt2_step 220 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
+        ddp) part ddp 100 python3 benchmarks/ddp.py --steps 20 --warmup 5 ;;
+        tp) part tp 70 python3 benchmarks/tp.py ;;
+        cp) part cp 50 python3 benchmarks/cp.py --seq-lens 16384 ;;
+        precision) part precision-bf16 50 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
+                       --precision bf16 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-bf16"
+                   part precision-fp32 50 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
+                       --precision fp32 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-fp32" ;;
+        profile) part step_profile 100 python3 benchmarks/step_profile.py --mode bf16 ;;
+        launch) part launch 120 python3 benchmarks/recovery.py --device cuda --faults kill,nan ;;
+        *) echo "unknown part $p" ;;
+    esac
+done
+# what the benchmarks wrote under benchmarks/results/ in this call, and the logs: one archive back
+find benchmarks/results -newer "$LOGS/.start" -type f | tar -czf "$OUT/device-check.tgz" -T - -C "$(dirname "$LOGS")" device-check
+cp "$LOGS/summary.txt" "$OUT/"
