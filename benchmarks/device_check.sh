@@ -22,17 +22,17 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND with a time limit, its out
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/summary.txt"
 for p in "$@"; do
     case $p in
-        tests) part pytest-cuda 220 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider tests ;;
-        gpt2) part gpt2_step 220 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
+        tests) part pytest-cuda 190 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider tests ;;
+        gpt2) part gpt2_step 190 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
         ddp) part ddp 100 python3 benchmarks/ddp.py --steps 20 --warmup 5 ;;
         tp) part tp 70 python3 benchmarks/tp.py ;;
         cp) part cp 50 python3 benchmarks/cp.py --seq-lens 16384 ;;
-        precision) part precision-bf16 50 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
+        precision) part precision-bf16 45 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
                        --precision bf16 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-bf16"
-                   part precision-fp32 50 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
+                   part precision-fp32 45 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
                        --precision fp32 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-fp32" ;;
         profile) part step_profile 100 python3 benchmarks/step_profile.py --mode bf16 ;;
-        launch) part launch 120 python3 benchmarks/recovery.py --device cuda --faults kill,nan ;;
+        launch) part launch 80 python3 benchmarks/recovery.py --device cuda --faults kill,nan ;;
         *) echo "unknown part $p" ;;
     esac
 done
