@@ -73,9 +73,11 @@ class Communicator:
     def __init__(self, uid: bytes, world_size: int, rank: int):
         nccl = _nccl()
         rt.compute_stream()  # kiln's stream and allocator first
-        signed = tuple(b - 256 if b > 127 else b for b in uid)
         try:
-            self._comm = nccl.NcclCommunicator(world_size, signed, rank)
+            try:  # CuPy 14 takes the id as bytes, older CuPy as a tuple of signed chars
+                self._comm = nccl.NcclCommunicator(world_size, uid, rank)
+            except TypeError:
+                self._comm = nccl.NcclCommunicator(world_size, tuple(b - 256 if b > 127 else b for b in uid), rank)
         except Exception as e:  # NcclError
             raise DistributedError(f"NCCL communicator of {world_size} ranks (rank {rank}) failed: {e}") from e
         self.stream = new_stream(high_priority=True)  # collectives jump the compute stream's queue
