@@ -112,7 +112,7 @@ def main() -> None:
         print(f"{name}: {rows[name]['classes']} detect {rows[name]['detect_s']} s, recover "
               f"{rows[name]['recovery_s']} s, lost {rows[name]['steps_lost']} steps, equal {equal}", flush=True)
     git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    record = {"benchmark": "recovery", "date": time.strftime("%Y-%m-%d"), "commit": git("rev-parse", "HEAD"),
+    record = {"benchmark": "recovery", "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("KILN_COMMIT") or git("rev-parse", "HEAD"),
               "dirty": bool(git("status", "--porcelain", "--", "src")),
               "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -128,7 +128,7 @@ def main() -> None:
     for name, r in rows.items():
         lines.append(f"| {name} | {r['ranks']} | {', '.join(r['classes'])} | {r['action']} | {r['detect_s']} | "
                      f"{r['recovery_s']:.3g} | {r['fault_to_training_s']:.3g} | {r['steps_lost']} | "
-                     f"{r['extra_wall_s']} | {'bit for bit' if r['final_params_equal_unfaulted'] else 'no (skipped step)'} |")
+                     f"{r['extra_wall_s']} | {'bit for bit' if r['final_params_equal_unfaulted'] else 'no' + (' (skipped step)' if 'skip' in r['action'] else '')} |")
     table = "\n".join(lines) + "\n"
     out_dir = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "recovery"
     out_dir.mkdir(parents=True, exist_ok=True)
