@@ -47,7 +47,9 @@ def test_the_real_model_has_no_divergence_and_every_op_is_compared(precision, ti
     assert len(grads) == len(names) - 2 * 3 and grads[0] == "loss" and grads[-1] in ("wte", "wpe", "embed")
     assert [r["name"] for r in s["param_grads"]] == [n for n, _ in model.named_parameters()]
     worst = max(r["rel_err"] for k in ("forward", "backward", "param_grads") for r in s[k])
-    assert 0 < worst < {"fp64": 1e-12, "fp32": 1e-5, "bf16": 3e-2}[precision]
+    # bf16 on fresh random weights: median 1.5e-2, 2.8e-2 the largest of 40 draws, 3.2e-2 seen once in a
+    # suite run; the bound is the logger's own bf16 tolerance
+    assert 0 < worst < {"fp64": 1e-12, "fp32": 1e-5, "bf16": 5e-2}[precision]
     assert all(r["cosine"] > 0.999 for r in s["forward"])
     assert s["forward"][0]["hash"] == s["forward"][0]["ref_hash"]  # the same embedding rows, bit for bit
 
