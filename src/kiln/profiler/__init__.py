@@ -59,7 +59,7 @@ class Profiler:
         self._saved = {}
         self.total_ms = None
         self.ceilings = ceilings
-        self.nvtx = nvtx and device.type == "cuda"
+        self.nvtx = nvtx  # range_push/pop are no-ops on the CPU backend
         self.timeline = AllocationTimeline()
         self._exit = ExitStack()
 
@@ -120,7 +120,7 @@ class Profiler:
             gemm = c["gemm_tflops"]
             mode = {"bfloat16": "bf16", "float64": "fp64"}.get(dtype)
             if mode is None:
-                mode = self.backend.get_matmul_precision() if self.device.type == "cuda" else "fp32"
+                mode = self.backend.get_matmul_precision()
             peak = gemm.get(mode) or gemm.get("fp32")
             return flops / (ms * 1e-3) / 1e12 / peak
         return nbytes / (ms * 1e-3) / 1e9 / c["copy_gbps"]
