@@ -47,6 +47,7 @@ class RankAgent:
         self.faults = faults
         self.step_times: deque[float] = deque(maxlen=20)
         self._incidents = 0
+        self.trained_at: float | None = None  # when this attempt's first step finished
 
     @classmethod
     def from_env(cls, env=None) -> RankAgent | None:
@@ -71,8 +72,11 @@ class RankAgent:
     def heartbeat(self, step: int, phase: str = "step", **values) -> None:
         """Tell the supervisor this rank is alive at `step` (phase: start, step, eval, checkpoint, finish)."""
         step_s = sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else None
-        self.store.set(self._key("hb"), json.dumps({"step": step, "time": time.time(), "phase": phase,
-                                                    "step_s": step_s, "pid": os.getpid(), **values}))
+        now = time.time()
+        if phase == "step" and self.trained_at is None:
+            self.trained_at = now
+        self.store.set(self._key("hb"), json.dumps({"step": step, "time": now, "phase": phase, "step_s": step_s,
+                                                    "trained_at": self.trained_at, "pid": os.getpid(), **values}))
 
     def step_done(self, step: int, seconds: float, loss: float | None, grad_norm: float | None) -> BadStep | None:
         """Heartbeat for a finished step; the bad step it was, if it was one (detector verdict)."""

@@ -309,6 +309,16 @@ class Supervisor:
             return c.startup_timeout_s
         return max(c.hang_min_s, c.hang_factor * hb["step_s"])
 
+    def _write_recovered(self, pending: list[Incident], beats: dict) -> None:
+        """Once a rank of the new attempt has finished a step, the pending incidents' time to recover
+        is known (from that step's own time, so a gang that trains and ends between two polls counts)."""
+        trained = [hb["trained_at"] for hb in beats.values() if hb.get("trained_at")]
+        if pending and trained:
+            for inc in pending:
+                inc.recovery_s = round(min(trained) - inc.detected_at, 3)
+                self.incidents.write(inc)
+            pending.clear()
+
     def _watch(self, started: float, resumed_step: int | None, pending: list[Incident]) -> Incident | None:
         """Poll the gang until it finishes (None) or fails (the incident); write pending incidents
         once the gang trains again; relay in-place incidents; stop on a signal."""
@@ -321,11 +331,7 @@ class Supervisor:
             now = time.time()
             beats = self._heartbeats()
             self.health.update(beats, self.attempt)
-            if pending and any(hb.get("phase") == "step" for hb in beats.values()):
-                for inc in pending:  # training again: the time to recover is known
-                    inc.recovery_s = round(now - inc.detected_at, 3)
-                    self.incidents.write(inc)
-                pending.clear()
+            self._write_recovered(pending, beats)
             for key in self.store.keys(f"launch/incident/{self.attempt}/"):
                 if key not in seen_incidents:
                     seen_incidents.add(key)
@@ -461,7 +467,8 @@ class Supervisor:
                     return 128 + self._stop
                 if incident is None:
                     self._kill_gang(graceful=False)  # nothing left, but never leave one behind
-                    for inc in pending:
+                    self._write_recovered(pending, self._heartbeats())
+                    for inc in pending:  # it finished without a step heartbeat: no time to recover
                         self.incidents.write(inc)
                     self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
                     return 0
