@@ -120,34 +120,7 @@ __global__ void __launch_bounds__(kCeThreads) cross_entropy_fused(T* __restrict_
     float xt = 0.0f;
     if (threadIdx.x == 0 && !ignored && in_range) xt = to_float(xr[t]);
     const bool vec = V % P == 0 && aligned16(logits);
-    MaxSum st{-KILN_INF, 0.0f};
-    if (vec) {
-        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
-            const Pack<T> a = load_pack(xr + p * P);
-            float v[P];
-            float pm = -KILN_INF;
-#pragma unroll
-            for (int j = 0; j < P; ++j) {
-                v[j] = to_float(a.v[j]);
-                pm = fmaxf(pm, v[j]);
-            }
-            const float m = fmaxf(st.m, pm);
-            if (m == -KILN_INF) continue;
-            float s = st.s * expf(st.m - m);
-#pragma unroll
-            for (int j = 0; j < P; ++j) s += expf(v[j] - m);
-            st = {m, s};
-        }
-    } else {
-        for (int c = threadIdx.x; c < V; c += kCeThreads) {
-            const float v = to_float(xr[c]);
-            const float m = fmaxf(st.m, v);
-            if (m == -KILN_INF) continue;
-            st = {m, st.s * expf(st.m - m) + expf(v - m)};
-        }
-    }
-    __shared__ float sm[kCeThreads / 32], ss[kCeThreads / 32];
-    st = block_max_sum<kCeThreads>(st, sm, ss);
+    const MaxSum st = row_max_sum<kCeThreads>(xr, V, vec);
     const float lse = st.m + logf(st.s);
     if (threadIdx.x == 0) {
         loss_rows[row] = ignored ? 0.0f : (in_range ? lse - xt : KILN_NAN);
