@@ -27,6 +27,7 @@ from kiln.errors import ConfigError, ShapeError
 from kiln.nn import functional as F
 from kiln.nn.layers import Embedding, Linear, as_dtype_of
 from kiln.nn.module import Module, Parameter
+from kiln.ops.matmul import Linear as LinearOp
 from kiln.tensor import Tensor, _device_of
 
 
@@ -89,7 +90,7 @@ class ChunkedRowParallel(Function):
     @staticmethod
     def forward(ctx, x, weight, group, chunks):
         backend = x.backend
-        ctx.backend, ctx.x_shape = backend, x.shape
+        ctx.backend, ctx.x_shape, ctx.has_bias = backend, x.shape, False
         nx, nw = ctx.needs_input_grad
         ctx.save_for_backward(x if nw else None, weight if nx else None)
         x2 = x.data.reshape(-1, x.shape[-1])
@@ -104,14 +105,7 @@ class ChunkedRowParallel(Function):
         y = pieces[0] if chunks == 1 else backend.xp.concatenate(pieces, axis=0)
         return y.reshape(x.shape[:-1] + (weight.shape[0],))
 
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved
-        need = ctx.needs_input_grad
-        g2 = g.reshape(-1, g.shape[-1])
-        x2 = None if x is None else x.reshape(-1, x.shape[-1])
-        dx, dw, _ = ctx.backend.linear_bwd(g2, x2, w, need[0], need[1], False)
-        return (None if dx is None else dx.reshape(ctx.x_shape)), dw
+    backward = staticmethod(LinearOp.backward)  # the op's backward, has_bias False: (dx, dw)
 
 
 # ---------------------------------------------------------------------- sharding
