@@ -444,7 +444,7 @@ def test_evaluation_reads_each_validation_window_once_and_logs_its_tokens(tmp_pa
     from kiln.train import TrainConfig, Trainer
     data = prepared(tmp_path)
     val_tokens = json.loads((data / "meta.json").read_text())["splits"]["val"]["tokens"]
-    cfg = TrainConfig(data=str(data), model_overrides={"n_layer": 1, "n_embd": 16, "n_head": 2}, batch_size=16,
+    cfg = TrainConfig(data=str(data), model_overrides={"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 128}, batch_size=16,
                       seq_len=128, device="cpu", progress=False, max_steps=1, eval_iters=20, sample_tokens=0,
                       out_dir=str(tmp_path / "runs"))
     trainer = Trainer(cfg)

@@ -128,7 +128,7 @@ _TABLE_1 = dict(lr=6e-4, min_lr=6e-5, warmup_steps=715, max_steps=19_073, global
                 weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0)
 RECIPES = {  # each preset's training recipe: what TrainConfig's None settings become
     # the CPU default: the bundled corpus in about two minutes on two cores
-    "tiny": dict(batch_size=16, max_steps=600, lr=2e-3, min_lr=2e-4, warmup_steps=40, global_batch=None,
+    "tiny": dict(batch_size=16, max_steps=1200, lr=2e-3, min_lr=2e-4, warmup_steps=40, global_batch=None,
                  weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0),
     # the paper's Table 1 (GPT-2 124M): 524,288 tokens a step through accumulation, 19,073 steps
     "gpt2-124m": dict(batch_size=16, **_TABLE_1),
