@@ -6,7 +6,8 @@
 #
 # Parts: tests (pytest -m "cuda and not slow"), gpt2 (gpt2_step bf16: kiln vs eager vs compile),
 # ddp / tp / cp (the parallel benchmarks at world size 1), precision (kiln compare on the GPU in
-# bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings),
+# bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), fidelity (kiln,
+# eager and compile loss curves from the same weights, 300 steps of B8, fp32 and bf16),
 # launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -31,7 +32,9 @@ for p in "$@"; do
                        --precision bf16 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-bf16"
                    part precision-fp32 45 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
                        --precision fp32 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-fp32" ;;
-        profile) part step_profile 100 python3 benchmarks/step_profile.py --mode bf16 ;;
+        profile) part step_profile 120 python3 benchmarks/step_profile.py --mode bf16 ;;
+        fidelity) part fidelity 330 python3 benchmarks/fidelity.py --modes bf16,fp32 --steps 300 --eval-interval 50 \
+                      --batch-size 8 --max-files 1500 ;;
         launch) part launch 80 python3 benchmarks/recovery.py --device cuda --faults kill,nan ;;
         *) echo "unknown part $p" ;;
     esac
