@@ -41,7 +41,7 @@ def _batches(n, b, t):
 def _model(args):
     import kiln
     from kiln.nn import GPT, preset
-    cfg = preset("gpt2-124m", n_layer=args.n_layer)
+    cfg = preset("gpt2-124m", n_layer=args.n_layer, block_size=max(1024, args.seq_len))  # long context: T = the context
     return GPT(cfg, generator=kiln.Generator(1234)), cfg
 
 
