@@ -40,6 +40,9 @@ def test_nccl_collectives_at_world_size_one(nccl_world):
     nccl_world.reduce_scatter(out, kiln.tensor(x * 2, device="cuda"), "sum")
     np.testing.assert_array_equal(out.numpy(), x * 2)
     t = kiln.tensor(x, device="cuda")
+    nccl_world.reduce_scatter_all_gather(t, "avg")  # DDP's bucket all-reduce
+    np.testing.assert_array_equal(t.numpy(), x)
+    t = kiln.tensor(x, device="cuda")
     work = nccl_world.all_reduce(t * 3.0, "sum", async_op=True)
     assert work.event is not None
     work.wait()         # the compute stream waits on the comm stream; the host does not

@@ -115,20 +115,23 @@ def test_fsdp_names_a_unit_that_got_no_gradient(world):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("n, dtype, accum, tol", [(2, "float32", 2, 1e-6), (2, "float64", 3, 1e-12),
-                                                  (4, "float64", 2, 1e-12), (4, "float32", 1, 1e-5)])
-def test_zero1_zero2_and_fsdp_equal_ddp_on_w_ranks(n, dtype, accum, tol, tmp_path):
-    # float32 on 4 ranks: MPI sums 4 ranks' gradients in another order in a reduce-scatter than in
-    # DDP's all-reduce; AdamW's g / sqrt(v) makes those last bits ~2e-6 of the parameters after 5
-    # steps. The three sharded strategies reduce-scatter alike and agree with each other exactly.
-    results, _, _ = run_ranks("sharded_equal.py", n, tmp_path, dtype, accum, 0.5, 0.002, timeout=120)
+@pytest.mark.parametrize("n, dtype, accum, clip", [(2, "float32", 2, 0.5), (2, "float64", 3, 0.5), (4, "float64", 2, 0.5),
+                                                   (4, "float32", 1, 0.5), (4, "float32", 2, 0.0)])
+def test_zero1_zero2_and_fsdp_equal_ddp_on_w_ranks(n, dtype, accum, clip, tmp_path):
+    # The averaged gradients are equal bit for bit: DDP all-reduces a bucket as a reduce-scatter and an
+    # all-gather, and the MPI engine's reduce-scatter sums every element in rank order wherever it lies
+    # (DDP's buckets, ZeRO's shards and FSDP's units put it at different places). Without a clip the
+    # parameters are then equal bit for bit. The clip's global norm is a sum of squares over shards
+    # here and over whole gradients in DDP: float64 partials, so a float32 norm rounds alike (the
+    # issue asks 1e-6) and a float64 one may differ in its last bit.
+    results, _, _ = run_ranks("sharded_equal.py", n, tmp_path, dtype, accum, clip, 0.002, timeout=120)
+    tol = 0.0 if clip == 0 else 1e-6 if dtype == "float32" else 1e-12
     for r, res in enumerate(results):
         for strategy in ("zero1", "zero2", "fsdp"):
             got = res[strategy]
             assert got["max_param_diff"] <= tol, (r, strategy, got["max_param_diff"])
             np.testing.assert_allclose(got["norms"], res["ref_norms"], rtol=1e-6 if dtype == "float32" else 1e-12)
-        assert res["zero1"]["max_param_diff"] == res["zero2"]["max_param_diff"] == res["fsdp"]["max_param_diff"]
-        assert res["ref_norms"][0] > 0.5  # the clip (0.5) acted
+        assert clip == 0 or res["ref_norms"][0] > clip  # the clip acted
 
 
 @pytest.mark.dist
