@@ -268,3 +268,36 @@ def test_trainer_fsdp_on_2_ranks_resumed_as_zero1_on_4_equals_one_process(tmp_pa
     assert abs(results[0]["summary"]["final_val_loss"] - single["final_val_loss"]) < 1e-12
     w, w_one = load_file(str(out / "run" / "model.safetensors")), load_file(str(tmp_path / "single" / "one" / "model.safetensors"))
     assert max(float(np.max(np.abs(w[k] - w_one[k]))) for k in w_one) < 1e-12
+
+
+@pytest.mark.dist
+def test_trainer_resumes_a_ddp_single_file_checkpoint_as_fsdp_and_that_as_ddp_equal_to_one_process(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from kiln.train import TrainConfig, Trainer
+    out = tmp_path / "mixed"
+    run_ranks("train_sharded.py", 2, tmp_path / "a", out, "ddp", 2, 2, 0, timeout=120)     # one file per checkpoint
+    run_ranks("train_sharded.py", 4, tmp_path / "b", out, "fsdp", 4, 1, 1, timeout=180)    # resumed into shards
+    results, _, _ = run_ranks("train_sharded.py", 2, tmp_path / "c", out, "ddp", 6, 2, 1, timeout=120)  # and back
+    assert [r["step"] for r in results] == [6] * 2
+    files = sorted(p.name for p in (out / "run" / "checkpoints").glob("ckpt-*"))
+    assert files == ["ckpt-00000002.kiln", "ckpt-00000004.kiln"] + [
+        f"ckpt-00000004.shard-{r:05d}-of-00004.kiln" for r in range(4)] + ["ckpt-00000006.kiln"], files
+    # one process over the same legs (each leg's max_steps sets its lr schedule)
+    Trainer(TrainConfig(model_overrides={"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32},
+                        precision="fp64", batch_size=4, seq_len=32, grad_accum=2, max_steps=2, eval_interval=2,
+                        eval_iters=3, sample_tokens=10, device="cpu", progress=False, out_dir=str(tmp_path / "single"),
+                        run_name="one", warmup_steps=1, checkpoint_interval=2)).fit()
+    Trainer.from_checkpoint(tmp_path / "single" / "one", max_steps=4).fit()
+    single = Trainer.from_checkpoint(tmp_path / "single" / "one", max_steps=6).fit()
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (tmp_path / "single" / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [a["step"] for a in rows if "loss" in a] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(rows, ref, strict=True):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < 1e-12, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-12 and abs(a.get("val_loss", 0) - b.get("val_loss", 0)) < 1e-12
+    assert abs(results[0]["summary"]["final_val_loss"] - single["final_val_loss"]) < 1e-12
+    w, w_one = load_file(str(out / "run" / "model.safetensors")), load_file(str(tmp_path / "single" / "one" / "model.safetensors"))
+    assert max(float(np.max(np.abs(w[k] - w_one[k]))) for k in w_one) < 1e-12
