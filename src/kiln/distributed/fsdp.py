@@ -26,6 +26,7 @@ from kiln.autograd import Function, is_grad_enabled, no_grad, saved_tensors_hook
 from kiln.distributed.buckets import GradientBuckets
 from kiln.distributed.shards import FlatShard, ShardedAdamW
 from kiln.errors import ConfigError, DistributedError
+from kiln.graph import capturing
 from kiln.tensor import Tensor
 
 ONE_LAYOUT = 1 << 62  # bucket cap that puts a whole unit (of one dtype) in one flat layout
@@ -218,7 +219,8 @@ class FullyShardedDataParallel:
 
     def _reduce(self, u: _Unit) -> None:
         """Reduce-scatter (average) u's local gradients into its gradient shards, asynchronously."""
-        self._reducing = [(f, w) for f, w in self._reducing if not w.is_completed()]
+        if not capturing():  # drop the finished ones (no event is queried while a graph records)
+            self._reducing = [(f, w) for f, w in self._reducing if not w.is_completed()]
         for s in u.shards:
             first = s.bucket.params[0]
             full = first.backend.zeros((s.size * self.group.size,), first.dtype.np)

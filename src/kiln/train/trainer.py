@@ -206,7 +206,6 @@ class Trainer:
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
-                and not self.sharded  # ZeRO/FSDP steps run eagerly (ShardedAdamW is not captured yet)
                 and self.model_config.dropout == 0.0 and not self._graph_failed
                 and self._faults is None)  # injected faults act in Python, inside the step
 
