@@ -19,7 +19,9 @@ Three parts, every rank running this file:
    ZeroRedundancyOptimizer over DDP (ZeRO-1) and FSDP2 (fully_shard); tokens/s and peak memory
    per rank. PyTorch has no ZeRO-2 of its own (its column is empty). FSDP2 shards the benchmark's
    functional GPT-2 module as one unit (it has no per-block modules); kiln's FSDP gathers per
-   block's attention and MLP. kiln's sharded steps run op by op (no CUDA graph yet).
+   block's attention and MLP. kiln's sharded steps replay as a CUDA graph too (--no-cuda-graph: op by op).
+The overlap of the buckets' all-reduces with backward is benchmarks/ddp_overlap.py's (a profiler
+trace and its figure).
 Rank 0 prints a table and writes benchmarks/results/ddp/ddp-<date>-w<W>-<device>.json and .md.
 """
 
@@ -131,7 +133,7 @@ def kiln_train(world, args, batches, ddp_on: bool, strategy: str = "ddp") -> dic
         opt.step()
         return loss
 
-    graph = CapturedStep(step) if args.cuda_graph and args.device == "cuda" and strategy == "ddp" else None
+    graph = CapturedStep(step) if args.cuda_graph and args.device == "cuda" else None
     times, losses = [], []
     for i, (x, y) in enumerate(batches):
         if i == 1:

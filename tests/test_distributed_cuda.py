@@ -40,6 +40,9 @@ def test_nccl_collectives_at_world_size_one(nccl_world):
     nccl_world.reduce_scatter(out, kiln.tensor(x * 2, device="cuda"), "sum")
     np.testing.assert_array_equal(out.numpy(), x * 2)
     t = kiln.tensor(x, device="cuda")
+    nccl_world.reduce_scatter_all_gather(t, "avg")  # DDP's bucket all-reduce
+    np.testing.assert_array_equal(t.numpy(), x)
+    t = kiln.tensor(x, device="cuda")
     work = nccl_world.all_reduce(t * 3.0, "sum", async_op=True)
     assert work.event is not None
     work.wait()         # the compute stream waits on the comm stream; the host does not
@@ -82,3 +85,32 @@ def test_trainer_ddp_step_as_a_cuda_graph_equals_eager(nccl_world, tmp_path):
     for eager, replay in zip(rows[False], rows[True], strict=True):
         assert abs(eager["loss"] - replay["loss"]) <= 1e-5 * abs(eager["loss"]), (eager, replay)
         assert abs(eager["grad_norm"] - replay["grad_norm"]) <= 1e-4 * eager["grad_norm"], (eager, replay)
+
+
+@gpu
+@pytest.mark.parametrize("parallel", ["zero1", "zero2", "fsdp"])
+def test_trainer_sharded_step_as_a_cuda_graph_equals_eager(parallel, nccl_world, tmp_path):
+    # the graph records ZeRO's reduce-scatters and all-gathers, or FSDP's per-unit gathers, frees and
+    # reduce-scatters, and ShardedAdamW's update reading lr and the step from device buffers
+    from safetensors.numpy import load_file
+
+    from kiln.train import TrainConfig, Trainer
+    rows, weights = {}, {}
+    for graph in (False, True):
+        cfg = TrainConfig(model_overrides={"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64}, device="cuda",
+                          batch_size=4, grad_accum=2, max_steps=6, eval_interval=3, eval_iters=2, sample_tokens=0,
+                          progress=False, parallel=parallel, bucket_mb=0.05, cuda_graph=graph,
+                          out_dir=str(tmp_path), run_name=f"{parallel}-graph{graph}")
+        trainer = Trainer(cfg)
+        trainer.fit()
+        assert (trainer._graph_step is not None and trainer._graph_step.captured) == graph
+        rows[graph] = [json.loads(line) for line in
+                       (tmp_path / f"{parallel}-graph{graph}" / "metrics.jsonl").read_text().splitlines()]
+        weights[graph] = load_file(str(tmp_path / f"{parallel}-graph{graph}" / "model.safetensors"))
+    for eager, replay in zip(rows[False], rows[True], strict=True):
+        assert abs(eager["loss"] - replay["loss"]) <= 1e-5 * abs(eager["loss"]), (eager, replay)
+        assert abs(eager["grad_norm"] - replay["grad_norm"]) <= 1e-4 * eager["grad_norm"], (eager, replay)
+        if "val_loss" in eager:
+            assert abs(eager["val_loss"] - replay["val_loss"]) <= 1e-5 * eager["val_loss"], (eager, replay)
+    for k, w in weights[False].items():
+        np.testing.assert_allclose(weights[True][k], w, rtol=0, atol=1e-5, err_msg=k)

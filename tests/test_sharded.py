@@ -96,6 +96,44 @@ def test_fsdp_gathers_a_unit_only_while_it_is_used_and_frees_its_memory(world):
     assert all(p.data.strides == (0,) * p.ndim for p in model.parameters())  # zero bytes each
 
 
+def test_fsdp_in_bf16_keeps_no_cast_copy_of_a_weight_from_forward_to_backward(world):
+    # bf16 compute over fp32 weights: each layer multiplies by a bf16 cast of its weight, which its
+    # backward needs again. One process keeps those casts from forward to backward; FSDP keeps a
+    # handle and casts the re-gathered weight again in backward, to the same bits.
+    import gc
+    import tracemalloc
+    cfg = GPTConfig(vocab_size=64, block_size=4, n_layer=4, n_head=2, n_embd=128)
+    rng = np.random.default_rng(8)
+    x, y = kiln.tensor(rng.integers(0, 64, (1, 4))), kiln.tensor(rng.integers(0, 64, (1, 4)))
+    held, params = {}, {}
+    tracemalloc.start()
+    try:
+        for strategy in ("one process", "fsdp"):
+            model = GPT(cfg, generator=kiln.Generator(9))
+            model.compute_dtype = kiln.bfloat16
+            opt = AdamW(model.parameters(), lr=1e-2)
+            fsdp = dist.FullyShardedDataParallel(model, opt) if strategy == "fsdp" else None
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            loss = model(x, y)[1]
+            gc.collect()
+            held[strategy] = tracemalloc.get_traced_memory()[0] - before
+            loss.backward()
+            if fsdp is not None:
+                fsdp.wait_gradients()
+                opt = fsdp.optimizer
+            opt.step()
+            params[strategy] = fsdp.full_parameters() if fsdp else {n: p.numpy() for n, p in model.named_parameters()}
+            del loss
+    finally:
+        tracemalloc.stop()
+    unit_casts = 2 * sum(p.numel() for block in model.h for m in (block.attn, block.mlp) for p in m.parameters())
+    # what one process holds beyond FSDP after the forward: at least the units' bf16 weights (~1.6 MB)
+    assert held["one process"] - held["fsdp"] >= 0.95 * unit_casts, (held, unit_casts)
+    for n, p in params["one process"].items():
+        np.testing.assert_array_equal(params["fsdp"][n], p, err_msg=n)
+
+
 def test_sharded_wrappers_check_their_arguments(world):
     model = _tiny(2)
     with pytest.raises(ConfigError, match="stage must be one of"):
@@ -115,20 +153,23 @@ def test_fsdp_names_a_unit_that_got_no_gradient(world):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("n, dtype, accum, tol", [(2, "float32", 2, 1e-6), (2, "float64", 3, 1e-12),
-                                                  (4, "float64", 2, 1e-12), (4, "float32", 1, 1e-5)])
-def test_zero1_zero2_and_fsdp_equal_ddp_on_w_ranks(n, dtype, accum, tol, tmp_path):
-    # float32 on 4 ranks: MPI sums 4 ranks' gradients in another order in a reduce-scatter than in
-    # DDP's all-reduce; AdamW's g / sqrt(v) makes those last bits ~2e-6 of the parameters after 5
-    # steps. The three sharded strategies reduce-scatter alike and agree with each other exactly.
-    results, _, _ = run_ranks("sharded_equal.py", n, tmp_path, dtype, accum, 0.5, 0.002, timeout=120)
+@pytest.mark.parametrize("n, dtype, accum, clip", [(2, "float32", 2, 0.5), (2, "float64", 3, 0.5), (4, "float64", 2, 0.5),
+                                                   (4, "float32", 1, 0.5), (4, "float32", 2, 0.0)])
+def test_zero1_zero2_and_fsdp_equal_ddp_on_w_ranks(n, dtype, accum, clip, tmp_path):
+    # The averaged gradients are equal bit for bit: DDP all-reduces a bucket as a reduce-scatter and an
+    # all-gather, and the MPI engine's reduce-scatter sums every element in rank order wherever it lies
+    # (DDP's buckets, ZeRO's shards and FSDP's units put it at different places). Without a clip the
+    # parameters are then equal bit for bit. The clip's global norm is a sum of squares over shards
+    # here and over whole gradients in DDP: float64 partials, so a float32 norm rounds alike (the
+    # issue asks 1e-6) and a float64 one may differ in its last bit.
+    results, _, _ = run_ranks("sharded_equal.py", n, tmp_path, dtype, accum, clip, 0.002, timeout=120)
+    tol = 0.0 if clip == 0 else 1e-6 if dtype == "float32" else 1e-12
     for r, res in enumerate(results):
         for strategy in ("zero1", "zero2", "fsdp"):
             got = res[strategy]
             assert got["max_param_diff"] <= tol, (r, strategy, got["max_param_diff"])
             np.testing.assert_allclose(got["norms"], res["ref_norms"], rtol=1e-6 if dtype == "float32" else 1e-12)
-        assert res["zero1"]["max_param_diff"] == res["zero2"]["max_param_diff"] == res["fsdp"]["max_param_diff"]
-        assert res["ref_norms"][0] > 0.5  # the clip (0.5) acted
+        assert clip == 0 or res["ref_norms"][0] > clip  # the clip acted
 
 
 @pytest.mark.dist
@@ -262,6 +303,39 @@ def test_trainer_fsdp_on_2_ranks_resumed_as_zero1_on_4_equals_one_process(tmp_pa
     for a, b in zip(rows, ref, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-12 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-12, (a, b)
         assert abs(a.get("val_loss", 0) - b.get("val_loss", 0)) < 1e-12, (a, b)
+    assert abs(results[0]["summary"]["final_val_loss"] - single["final_val_loss"]) < 1e-12
+    w, w_one = load_file(str(out / "run" / "model.safetensors")), load_file(str(tmp_path / "single" / "one" / "model.safetensors"))
+    assert max(float(np.max(np.abs(w[k] - w_one[k]))) for k in w_one) < 1e-12
+
+
+@pytest.mark.dist
+def test_trainer_resumes_a_ddp_single_file_checkpoint_as_fsdp_and_that_as_ddp_equal_to_one_process(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from kiln.train import TrainConfig, Trainer
+    out = tmp_path / "mixed"
+    run_ranks("train_sharded.py", 2, tmp_path / "a", out, "ddp", 2, 2, 0, timeout=120)     # one file per checkpoint
+    run_ranks("train_sharded.py", 4, tmp_path / "b", out, "fsdp", 4, 1, 1, timeout=180)    # resumed into shards
+    results, _, _ = run_ranks("train_sharded.py", 2, tmp_path / "c", out, "ddp", 6, 2, 1, timeout=120)  # and back
+    assert [r["step"] for r in results] == [6] * 2
+    files = sorted(p.name for p in (out / "run" / "checkpoints").glob("ckpt-*"))
+    assert files == ["ckpt-00000002.kiln", "ckpt-00000004.kiln"] + [
+        f"ckpt-00000004.shard-{r:05d}-of-00004.kiln" for r in range(4)] + ["ckpt-00000006.kiln"], files
+    # one process over the same legs (each leg's max_steps sets its lr schedule)
+    Trainer(TrainConfig(model_overrides={"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32},
+                        precision="fp64", batch_size=4, seq_len=32, grad_accum=2, max_steps=2, eval_interval=2,
+                        eval_iters=3, sample_tokens=10, device="cpu", progress=False, out_dir=str(tmp_path / "single"),
+                        run_name="one", warmup_steps=1, checkpoint_interval=2)).fit()
+    Trainer.from_checkpoint(tmp_path / "single" / "one", max_steps=4).fit()
+    single = Trainer.from_checkpoint(tmp_path / "single" / "one", max_steps=6).fit()
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (tmp_path / "single" / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [a["step"] for a in rows if "loss" in a] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(rows, ref, strict=True):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) < 1e-12, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-12 and abs(a.get("val_loss", 0) - b.get("val_loss", 0)) < 1e-12
     assert abs(results[0]["summary"]["final_val_loss"] - single["final_val_loss"]) < 1e-12
     w, w_one = load_file(str(out / "run" / "model.safetensors")), load_file(str(tmp_path / "single" / "one" / "model.safetensors"))
     assert max(float(np.max(np.abs(w[k] - w_one[k]))) for k in w_one) < 1e-12

@@ -56,6 +56,21 @@ def main():
     world.reduce_scatter(out, kiln.tensor(big[r]), "avg")
     check("reduce_scatter_avg_float32", out.numpy(), np.mean(np.asarray(big, np.float64), axis=0)[2 * r:2 * r + 2])
 
+    # reduce_scatter_all_gather: the all-reduce (avg) whose every element has the bits of a reduce_scatter
+    # of the same layout; several in flight at once, waited in reverse order
+    for dtype in ("float64", "float32"):
+        big = [[inputs(q + 10 * i, (W * (5 + i),), dtype) for q in range(W)] for i in range(3)]
+        ts = [kiln.tensor(b[r]) for b in big]
+        works = [world.reduce_scatter_all_gather(t, "avg", async_op=True) for t in ts]
+        for w in reversed(works):
+            w.wait()
+        for i, t in enumerate(ts):
+            check(f"reduce_scatter_all_gather_{dtype}_{i}", t.numpy(), np.mean(np.asarray(big[i], np.float64), axis=0))
+            shard = kiln.zeros(5 + i, dtype=dtype)
+            world.reduce_scatter(shard, kiln.tensor(big[i][r]), "avg")
+            errors[f"reduce_scatter_all_gather_bits_{dtype}_{i}"] = int(np.count_nonzero(
+                t.numpy()[r * (5 + i):(r + 1) * (5 + i)] != shard.numpy()))
+
     # send/recv around a ring, both async
     mine = kiln.tensor(inputs(r, (4, 3), "float64"))
     got = kiln.zeros(4, 3, dtype="float64")

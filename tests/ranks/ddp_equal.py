@@ -59,7 +59,7 @@ ref_norms = train(ref, ref_opt, data, slice(None))
 model, opt = model_and_optimizer(0 if r == 0 else 1000 + r)  # other ranks start elsewhere: the broadcast fixes it
 start_diff = max(float(np.max(np.abs(p.numpy() - q))) for p, q in zip(model.parameters(), start))
 launches = []
-count = world.all_reduce
+count = world.reduce_scatter_all_gather  # DDP's all-reduce of a bucket
 
 
 def counting_all_reduce(*args, **kwargs):
@@ -68,7 +68,7 @@ def counting_all_reduce(*args, **kwargs):
 
 
 ddp = dist.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-world.all_reduce = counting_all_reduce
+world.reduce_scatter_all_gather = counting_all_reduce
 n_buckets = len(ddp.buckets)
 per = ROWS // W
 norms = []

@@ -1,6 +1,6 @@
 """ZeRO-1, ZeRO-2 and FSDP on W ranks against DDP on the same ranks (itself proven equal to one
 process by ddp_equal.py): 5 AdamW steps with accumulation and clipping, each rank with its slice of
-every micro-batch. argv: dtype accum clip bucket_mb. The result holds, per strategy, the largest
+every micro-batch. argv: dtype accum clip (0: none) bucket_mb. The result holds, per strategy, the largest
 parameter difference from DDP, the grad norms, and the model state bytes each rank held."""
 
 import contextlib
@@ -45,7 +45,8 @@ def run(strategy):
                 _, loss = model(kiln.tensor(x[rows]), kiln.tensor(y[rows]))
                 (loss / accum).backward()
         wrapper.wait_gradients()
-        norms.append(opt.clip_grad_norm_(clip).item())
+        if clip > 0:
+            norms.append(opt.clip_grad_norm_(clip).item())
         opt.step()
     if strategy == "fsdp":
         params = wrapper.full_parameters()

@@ -34,7 +34,7 @@ class _Layout:
     def __init__(self, model, optimizer, wrapper, group):
         from kiln.distributed.fsdp import FullyShardedDataParallel
         from kiln.distributed.zero import ZeroDataParallel
-        self.wrapper, self.group = wrapper, group
+        self.model, self.wrapper, self.group = model, wrapper, group
         names = {id(p): n for n, p in model.named_parameters()}
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.pieces = []
@@ -111,34 +111,57 @@ def load_sharded(path, model, optimizer, wrapper=None, group=None) -> dict:
     manifest = load(path)
     if "sharded" not in manifest:
         raise CheckpointError(f"{path} is not a sharded checkpoint manifest")
-    info = manifest["sharded"]
-    layout = _Layout(model, optimizer, wrapper, group)
-    shapes = {n: list(p.shape) for n, p in layout.params.items()}
-    if shapes != info["shapes"]:
-        bad = sorted(n for n in set(shapes) | set(info["shapes"]) if shapes.get(n) != info["shapes"].get(n))
-        raise CheckpointError(f"{path} holds another model: parameters {bad[:5]} differ in name or shape")
-    files, cache = info["files"], {}
+    info, cache = manifest["sharded"], {}
 
-    def shard(entry):
+    def read(entry):
         if entry["file"] not in cache:
             cache[entry["file"]] = load_shard(path, entry)
         return cache[entry["file"]]
 
+    _fill(str(path), _Layout(model, optimizer, wrapper, group), manifest["optimizer"], info["moments"],
+          info["shapes"], info["files"], read)
+    return manifest["state"]
+
+
+def load_replicated(params: dict, optimizer_state: dict, model, optimizer, wrapper=None, group=None) -> None:
+    """Put a single-file checkpoint's state (a one-process or DDP run's: every parameter's full value
+    by name, and kiln.optim.AdamW's state_dict with the parameters' names under "params") into model,
+    optimizer and wrapper: under ZeRO or FSDP each rank keeps the pieces it owns, as load_sharded."""
+    from kiln.distributed.process_group import get_world
+    group = group or (get_world() if wrapper is not None else None)
+    moments = optimizer_state["exp_avg"] is not None
+    tensors = {f"param/{n}": np.asarray(_host(a)).reshape(-1) for n, a in params.items()}
+    if moments:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            tensors.update((f"{kind}/{n}", np.asarray(_host(m)).reshape(-1))
+                           for n, m in zip(optimizer_state["params"], optimizer_state[kind]))
+    whole = {"ranges": {n: [0, int(np.size(a))] for n, a in params.items()}}
+    shapes = {n: list(np.shape(a)) for n, a in params.items()}
+    _fill("the single-file checkpoint", _Layout(model, optimizer, wrapper, group), optimizer_state, moments,
+          shapes, [whole], lambda entry: tensors)
+
+
+def _fill(source: str, layout, opt: dict, moments: bool, shapes: dict, files: list, read) -> None:
+    """Every piece of layout from the files that hold it (each {"ranges": {name: [lo, hi]}}, its
+    tensors read(file) by "kind/name"), and the optimizer's step and hyperparameters from opt."""
+    mine = {n: list(p.shape) for n, p in layout.params.items()}
+    if mine != shapes:
+        bad = sorted(n for n in set(mine) | set(shapes) if mine.get(n) != shapes.get(n))
+        raise CheckpointError(f"{source} holds another model: parameters {bad[:5]} differ in name or shape")
     adamw = layout.adamw
-    opt = manifest["optimizer"]
     if len(opt["groups"]) != len(adamw.param_groups):
-        raise CheckpointError(f"{path} has {len(opt['groups'])} optimizer param groups, this optimizer "
+        raise CheckpointError(f"{source} has {len(opt['groups'])} optimizer param groups, this optimizer "
                               f"{len(adamw.param_groups)}")
     adamw.step_count, adamw.betas, adamw.eps = int(opt["step"]), tuple(opt["betas"]), float(opt["eps"])
     for g, s in zip(adamw.param_groups, opt["groups"]):
         g["lr"], g["weight_decay"] = s["lr"], s["weight_decay"]
-    if info["moments"] and not layout.sharded and adamw._moments is None:
+    if moments and not layout.sharded and adamw._moments is None:
         adamw._allocate()
-        layout = _Layout(model, optimizer, wrapper, group)
-    kinds = KINDS if info["moments"] else ("param",)
+        layout = _Layout(layout.model, adamw, layout.wrapper, layout.group)
+    kinds = KINDS if moments else ("param",)
     with no_grad():
         for n, p, lo, hi, views, s in layout.pieces:
-            if info["moments"] and s is not None and s.exp_avg is None:
+            if moments and s is not None and s.exp_avg is None:
                 xp = p.backend.xp
                 s.exp_avg, s.exp_avg_sq = xp.zeros_like(s.param), xp.zeros_like(s.param)
             for kind in kinds:
@@ -147,10 +170,9 @@ def load_sharded(path, model, optimizer, wrapper=None, group=None) -> dict:
                     a, b = entry["ranges"].get(n, (0, 0))
                     x, y = max(a, lo), min(b, hi)
                     if x < y:
-                        piece = shard(entry)[f"{kind}/{n}"][x - a:y - a]
+                        piece = read(entry)[f"{kind}/{n}"][x - a:y - a]
                         target[x - lo:y - lo] = p.backend.asarray(piece)
     _after_load(layout)
-    return manifest["state"]
 
 
 def _target(views, kind, s, lo, hi, p):

@@ -99,8 +99,10 @@ class DistributedDataParallel:
             self._finalize()
 
     def _launch(self, bucket):
-        """The bucket's collective (ZeRO reduce-scatters instead): the average over the ranks, async."""
-        return self.group.all_reduce(bucket.buffer, "avg", async_op=True)
+        """The bucket's collective (ZeRO reduce-scatters instead): the average over the ranks, async,
+        as a reduce-scatter + all-gather: each element summed in the order ZeRO's reduce-scatter of
+        the same padded bucket sums it (a plain all-reduce may sum in another order)."""
+        return self.group.reduce_scatter_all_gather(bucket.buffer, "avg", async_op=True)
 
     def _scatter(self, bucket) -> None:
         """Line 22 for one bucket whose collective is done: each parameter's gradient becomes its

@@ -9,7 +9,8 @@ attention and MLP) keeps 1/W of its flat parameter layout per rank. Its forward 
 unit (the gather prefetched while the previous unit ran), launches the next unit's gather (on
 CUDA: the NCCL communication stream, ordered by events), runs, and frees the gathered
 parameters: tensors saved for backward hold handles to them (autograd.saved_tensors_hooks), not
-their memory. A node on the unit's output gathers it again when backward reaches it (and
+their memory, and so do the compute-dtype casts of them (bf16 over fp32 weights), cast again in
+backward from the re-gathered weight. A node on the unit's output gathers it again when backward reaches it (and
 prefetches the unit before it); as soon as the unit's last gradient has accumulated (autograd's
 post-accumulate hooks) its gradients are reduce-scattered (average) into this rank's gradient
 shard and the gathered parameters are freed. The root unit (embeddings, LayerNorms: what no unit
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 
-from kiln.autograd import Function, is_grad_enabled, no_grad, saved_tensors_hooks
+from kiln.autograd import AccumulateGrad, Function, is_grad_enabled, no_grad, saved_tensors_hooks
 from kiln.distributed.buckets import GradientBuckets
 from kiln.distributed.shards import FlatShard, ShardedAdamW
 from kiln.errors import ConfigError, DistributedError
+from kiln.graph import capturing
+from kiln.ops.convert import ToDType
 from kiln.tensor import Tensor
 
 ONE_LAYOUT = 1 << 62  # bucket cap that puts a whole unit (of one dtype) in one flat layout
@@ -41,12 +44,13 @@ def default_units(module) -> list:
 
 
 class _ParamHandle:
-    """What a saved tensor of a unit's gathered parameter holds instead of the array."""
+    """What a saved tensor of a unit's gathered parameter holds instead of the array; with a dtype,
+    the tensor was a cast of it (bf16 compute over fp32 weights), cast again when backward needs it."""
 
-    __slots__ = ("param", "unit")
+    __slots__ = ("dtype", "param", "unit")
 
-    def __init__(self, param, unit):
-        self.param, self.unit = param, unit
+    def __init__(self, param, unit, dtype=None):
+        self.param, self.unit, self.dtype = param, unit, dtype
 
 
 class _Unit:
@@ -63,6 +67,16 @@ class _Unit:
         self.gathers = None        # [(full buffer Tensor, Work)] while a gather is in flight or done
         self.gathered = False
         self.pending = len(params)  # gradients still to accumulate in this backward
+
+
+def _cast_source(t):
+    """The leaf tensor t is a dtype cast of (ops.convert.ToDType straight from it), else None (t may
+    also be an op's Fresh output, which has no graph)."""
+    node = getattr(t, "grad_fn", None)
+    if not isinstance(node, ToDType) or node.next_edges[0] is None:
+        return None
+    sink = node.next_edges[0][0]
+    return sink.leaf if isinstance(sink, AccumulateGrad) else None
 
 
 class _GatherBeforeBackward(Function):
@@ -164,6 +178,10 @@ class FullyShardedDataParallel:
         u = self._unit_of.get(id(t))
         if u is not None and u.index > 0 and u.gathered:
             return _ParamHandle(t, u)
+        cast_of = _cast_source(t)
+        u = self._unit_of.get(id(cast_of))
+        if u is not None and u.gathered:  # a weight's compute-dtype copy: kept as a handle, not its bytes
+            return _ParamHandle(cast_of, u, t.dtype)
         return t.data
 
     def _unpack(self, saved):
@@ -172,7 +190,8 @@ class FullyShardedDataParallel:
         if not saved.unit.gathered:
             raise DistributedError(f"FSDP: backward needs unit {saved.unit.name!r}, which is not gathered "
                                    "(was its output used outside the unit's forward?)")
-        return saved.param.data
+        p = saved.param
+        return p.data if saved.dtype is None else p.backend.cast(p.data, saved.dtype.np)
 
     # ------------------------------------------------------------------ forward
     def _root_forward(self, forward):
@@ -181,7 +200,8 @@ class FullyShardedDataParallel:
             self._wait(root)
             if len(self.units) > 1:
                 self._gather(self.units[1])  # prefetch the first unit
-            out = forward(*args, **kwargs)
+            with saved_tensors_hooks(self._pack, self._unpack):  # the root's weight casts, as the units'
+                out = forward(*args, **kwargs)
             if not is_grad_enabled():
                 self._free(root)
             return out
@@ -218,7 +238,8 @@ class FullyShardedDataParallel:
 
     def _reduce(self, u: _Unit) -> None:
         """Reduce-scatter (average) u's local gradients into its gradient shards, asynchronously."""
-        self._reducing = [(f, w) for f, w in self._reducing if not w.is_completed()]
+        if not capturing():  # drop the finished ones (no event is queried while a graph records)
+            self._reducing = [(f, w) for f, w in self._reducing if not w.is_completed()]
         for s in u.shards:
             first = s.bucket.params[0]
             full = first.backend.zeros((s.size * self.group.size,), first.dtype.np)

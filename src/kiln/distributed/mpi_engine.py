@@ -1,12 +1,20 @@
 """The MPI engine: collectives on CPU (NumPy) arrays through mpi4py, started by `mpiexec`.
 
-Every collective is MPI's non-blocking form (Iallreduce, Ireduce_scatter_block, ...), so a
-`Work` can poll it against the group's deadline: a dead or stalled peer becomes a clear
-DistributedError on every rank still running within the timeout, and MPI_Abort at exit tears
-the job down (kiln.distributed.work.fail). Without mpiexec, MPI starts as a singleton: world 1.
+Every collective is MPI's non-blocking form (Iallreduce, Ialltoall, ...), so a `Work` can poll
+it against the group's deadline: a dead or stalled peer becomes a clear DistributedError on every
+rank still running within the timeout, and MPI_Abort at exit tears the job down
+(kiln.distributed.work.fail). Without mpiexec, MPI starts as a singleton: world 1.
+
+The reduce-scatter sums in one fixed order, rank 0's block first: MPI's own (MPICH's pairwise
+exchange for large messages) sums an element in an order that depends on which rank owns it,
+so DDP's buckets, ZeRO's shards and FSDP's units, which put the same gradient at different
+places, would differ in the last bits. Here MPI moves the blocks (Ialltoall) and each rank adds
+the W blocks it received in rank order: a gradient element gets the same bits in every layout.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
@@ -44,6 +52,12 @@ class MPIEngine:
         self.comm, self.timeout = comm, float(timeout)
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.broken = False
+        # reduce_scatter_all_gather's all-gathers start when their reduce-scatter is done, which the
+        # host learns at different moments on different ranks: they run on a communicator of their
+        # own, launched in the order of their reduce-scatters (MPI: one order of collectives per
+        # communicator on every rank)
+        self._gather_comm = comm.Dup()
+        self._chains: deque = deque()
 
     def _work(self, what: str, request, finish=None) -> Work:
         if self.broken:
@@ -61,9 +75,38 @@ class MPIEngine:
         return self._work(f"all_reduce({op}) of {array.size} {array.dtype}", req, finish)
 
     def reduce_scatter(self, output, input, op: str) -> Work:
-        req = self.comm.Ireduce_scatter_block(_reducible(input), output, op=self._op(op))
-        finish = (lambda: np.divide(output, self.size, out=output, casting="unsafe")) if op == "avg" else None
+        """output <- op of every rank's block `rank` of input, summed in rank order (see above).
+        output may be input's own block (in place)."""
+        blocks = np.empty((self.size, output.size), dtype=_reducible(input).dtype)
+        req = self.comm.Ialltoall(_bytes(input), _bytes(blocks))
+
+        def finish():
+            flat = output.reshape(-1)
+            if op == "max":
+                np.max(blocks, axis=0, out=flat)
+                return
+            flat[...] = blocks[0]
+            for block in blocks[1:]:
+                flat += block
+            if op == "avg":
+                np.divide(flat, self.size, out=flat, casting="unsafe")
         return self._work(f"reduce_scatter({op}) of {input.size} {input.dtype}", req, finish)
+
+    def reduce_scatter_all_gather(self, array, op: str) -> Work:
+        """array <- op over every rank's array, in place: reduce_scatter of its W equal blocks into
+        this rank's block, then an all-gather of the blocks."""
+        n = array.size // self.size
+        flat = array.reshape(-1)
+        mine = flat[self.rank * n:(self.rank + 1) * n]
+        in_place = mpi().IN_PLACE  # this rank's block of flat is already in place
+        chain = _Chain(self.reduce_scatter(mine, flat, op), lambda: self._gather_comm.Iallgather(in_place, _bytes(flat)))
+        self._chains.append(chain)
+
+        def test() -> bool:
+            while self._chains and self._chains[0].first.is_completed():
+                self._chains.popleft().start_second()
+            return chain.second is not None and chain.second.Test()
+        return self._work(f"reduce_scatter_all_gather({op}) of {array.size} {array.dtype}", _Polled(test))
 
     def all_gather(self, output, input) -> Work:
         req = self.comm.Iallgather(_bytes(input), _bytes(output))
@@ -112,6 +155,23 @@ class MPIEngine:
 
     def abort(self) -> None:
         mpi().COMM_WORLD.Abort(1)
+
+
+class _Chain:
+    """A collective (a Work) and the MPI request that starts once it is complete."""
+
+    def __init__(self, first: Work, start):
+        self.first, self.start, self.second = first, start, None
+
+    def start_second(self) -> None:
+        self.second = self.start()
+
+
+class _Polled:
+    """A request-like object whose Test() is a function."""
+
+    def __init__(self, test):
+        self.Test = test
 
 
 class _Both:

@@ -121,6 +121,10 @@ class NCCLEngine:
         return self._work(f"reduce_scatter({op}) of {input.size} {input.dtype}",
                           lambda: self.comm.reduce_scatter(input, output, op))
 
+    def reduce_scatter_all_gather(self, array, op: str) -> Work:
+        return self._work(f"reduce_scatter_all_gather({op}) of {array.size} {array.dtype}",
+                          lambda: self.comm.reduce_scatter_all_gather(array, op))
+
     def all_gather(self, output, input) -> Work:
         return self._work(f"all_gather of {input.size} {input.dtype}", lambda: self.comm.all_gather(input, output))
 

@@ -103,6 +103,18 @@ class ProcessGroup:
         work = self.engine.reduce_scatter(self._array(output, "output"), self._array(input, "input"), op)
         return self._done(work, async_op, output)
 
+    def reduce_scatter_all_gather(self, tensor, op: str = "sum", async_op: bool = False):
+        """tensor <- op over every rank's tensor, in place, as a reduce_scatter of its `size` equal
+        blocks followed by an all-gather: each element is reduced exactly as reduce_scatter reduces
+        it at that place, so DDP's all-reduced buckets equal ZeRO's reduce-scattered shards bit for
+        bit. tensor.numel() must be a multiple of the group's size."""
+        op = self._op(op, tensor)
+        if tensor.numel() % self.size:
+            raise ShapeError(f"reduce_scatter_all_gather needs a multiple of the group's {self.size} ranks "
+                             f"in elements; got {tensor.numel()} (pad it)")
+        work = self.engine.reduce_scatter_all_gather(self._array(tensor), op)
+        return self._done(work, async_op, tensor)
+
     def all_gather(self, output, input, async_op: bool = False):
         """output <- every rank's input, concatenated in rank order (output.numel() == size * input.numel())."""
         if output.numel() != self.size * input.numel() or input.dtype is not output.dtype:

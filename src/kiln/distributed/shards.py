@@ -12,7 +12,7 @@ every rank's sum of squares, all-reduced (ZeRO, Rajbhandari et al. 2020; paper Â
 from __future__ import annotations
 
 from kiln.autograd import no_grad
-from kiln.errors import ConfigError, KilnError, NotBuiltError
+from kiln.errors import ConfigError, KilnError
 from kiln.graph import capturing
 from kiln.tensor import Tensor
 
@@ -78,7 +78,7 @@ class ShardedAdamW:
         for s in shards:
             for _, a, b, _ in s.segments:
                 g = s.grad[a:b].astype("float64")
-                total += xp.dot(g, g)
+                total += (g * g).sum()  # not dot: CuPy's cuBLAS refuses to be captured in a graph
         self.group.all_reduce(Tensor._wrap(total, device), "sum")
         wide = all(s.grad.dtype == xp.float64 for s in shards)
         norm = xp.sqrt(total[0]).astype("float64" if wide else "float32")
@@ -87,12 +87,13 @@ class ShardedAdamW:
 
     @no_grad()
     def step(self) -> None:
-        """One AdamW update of this rank's shard of every parameter, then after_step()."""
-        if capturing():
-            raise NotBuiltError("ZeRO/FSDP steps cannot be captured into a CUDA graph yet; "
-                                "train them eagerly (graph capture works with DDP)")
+        """One AdamW update of this rank's shard of every parameter, then after_step(). Recorded
+        into a CUDA graph, it reads lr and the step count as kiln.optim.AdamW does (a device buffer
+        per param group, refreshed before every replay)."""
         opt = self.optimizer
-        opt.step_count += 1
+        captured = capturing()
+        if not captured:
+            opt.step_count += 1
         by_lr: dict = {}
         for s in self.shards:
             if s.grad is None:
@@ -101,17 +102,21 @@ class ShardedAdamW:
                 xp = s.bucket.params[0].backend.xp
                 s.exp_avg, s.exp_avg_sq = xp.zeros_like(s.param), xp.zeros_like(s.param)
             for p, a, b, _ in s.segments:
-                g = self.param_groups[self._group_of[id(p)]]
-                batch = by_lr.setdefault((g["lr"], p.device), ([], [], [], [], [], p.backend))
+                gi = self._group_of[id(p)]
+                g = self.param_groups[gi]
+                batch = by_lr.setdefault((gi if captured else g["lr"], p.device), ([], [], [], [], [], p.backend))
                 for column, array in zip(batch, (s.param, s.grad, s.exp_avg, s.exp_avg_sq)):
                     column.append(array[a:b])
                 batch[4].append(g["weight_decay"])
         clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
         self._clip = None
-        b1, b2 = opt.betas
-        for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
-            backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, opt.eps, opt.step_count,
-                               clip_norm=clip_norm, max_norm=max_norm)
+        if captured:
+            opt._record_step(by_lr, clip_norm, max_norm)
+        else:
+            b1, b2 = opt.betas
+            for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
+                backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, opt.eps, opt.step_count,
+                                   clip_norm=clip_norm, max_norm=max_norm)
         if self.after_step is not None:
             self.after_step()
         for p in self.params:

@@ -37,7 +37,7 @@ from kiln.checkpoint.run_folder import (
 )
 from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
-from kiln.errors import ConfigError, DataError, NotBuiltError
+from kiln.errors import ConfigError, DataError
 from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.launch import BadStepError, RankAgent
 from kiln.nn import GPT, PRESETS, GPTConfig, preset
@@ -206,7 +206,6 @@ class Trainer:
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
-                and not self.sharded  # ZeRO/FSDP steps run eagerly (ShardedAdamW is not captured yet)
                 and self.model_config.dropout == 0.0 and not self._graph_failed
                 and self._faults is None)  # injected faults act in Python, inside the step
 
@@ -591,11 +590,7 @@ class Trainer:
             if shards is None:
                 raise CheckpointError("this state's parameters are in a sharded checkpoint's shard files; "
                                       "resume it with Trainer.from_checkpoint")
-        elif self.sharded:
-            raise NotBuiltError(f"parallel={self.config.parallel!r} resumes from a sharded checkpoint (of a "
-                                "zero1/zero2/fsdp run); this one is a single file (of a none/ddp run): "
-                                "resume it with parallel none or ddp")
-        elif state["optimizer"].get("params") != [order[id(p)] for p in self.optimizer.params]:
+        elif state["optimizer"].get("params") != [order[id(p)] for p in self.adamw.params]:
             raise CheckpointError("the checkpoint's optimizer holds other parameters than this model's "
                                   f"({len(state['optimizer'].get('params') or [])} vs {len(names)})")
         if self._graph_step is not None:  # the graph would keep updating the old buffers
@@ -605,6 +600,9 @@ class Trainer:
             if state["model"] is None:
                 from kiln.distributed.checkpoint import load_sharded
                 load_sharded(shards, self.model, self.adamw, self.ddp, self.group)
+            elif self.sharded:  # a one-process or DDP run's single file, each rank keeping its shards
+                from kiln.distributed.checkpoint import load_replicated
+                load_replicated(state["model"], state["optimizer"], self.model, self.adamw, self.ddp, self.group)
             else:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])

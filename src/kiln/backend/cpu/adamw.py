@@ -6,10 +6,14 @@ import numpy as np
 
 
 def grad_norm(grads):
-    """The L2 norm of all gradients together, as a 0-d float32 (float64 for float64) array."""
+    """The L2 norm of all gradients together, as a 0-d float32 (float64 for float64) array. The
+    squares are summed in float64 whatever the gradients' dtype (as ZeRO's sharded clip sums them:
+    a float32 norm then rounds to the same bits however the gradients were split)."""
     dt = np.float64 if all(g.dtype == np.float64 for g in grads) else np.float32
-    total = sum(float(np.dot(g.reshape(-1).astype(dt, copy=False), g.reshape(-1).astype(dt, copy=False)))
-                for g in grads)
+    total = 0.0
+    for g in grads:
+        wide = g.reshape(-1).astype(np.float64)
+        total += float(np.dot(wide, wide))
     return np.asarray(math.sqrt(total), dtype=dt)
 
 

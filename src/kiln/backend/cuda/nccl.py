@@ -106,6 +106,20 @@ class Communicator:
         return self._run(lambda s: self._comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size,
                                                             _datatype(send), _OPS[op], s))
 
+    def reduce_scatter_all_gather(self, array, op: str):
+        """array <- op over the ranks, in place: ncclReduceScatter into this rank's block of array,
+        then ncclAllGather of the blocks, back to back on the comm stream (both in place, as NCCL
+        allows: the block at rank * n). Every element is reduced as the same reduce-scatter of
+        this layout reduces it (ZeRO's), which NCCL's own all-reduce does not promise."""
+        _check_contiguous(array)
+        n = array.size // self.world_size
+        full, mine, dtype = array.data.ptr, array.data.ptr + self.rank * n * array.itemsize, _datatype(array)
+
+        def call(s):
+            self._comm.reduceScatter(full, mine, n, dtype, _OPS[op], s)
+            self._comm.allGather(mine, full, n, dtype, s)
+        return self._run(call)
+
     def all_gather(self, send, recv):
         _check_contiguous(send, recv)
         return self._run(lambda s: self._comm.allGather(send.data.ptr, recv.data.ptr, send.size,
