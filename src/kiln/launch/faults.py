@@ -11,7 +11,9 @@ first, so that the restarted gang trains clean). Kinds, each a failure of paper 
     oom        raise a host MemoryError (where=host) or the device's OutOfMemoryError
                (where=device) at the start of step k
     truncate   cut the checkpoint of step k to half its length once it is durable, then SIGKILL
+               (a sharded checkpoint: this rank's own shard file)
     corrupt    flip bytes in the middle of the checkpoint of step k once durable, then SIGKILL
+               (a sharded checkpoint: this rank's own shard file)
     kill_ckpt  SIGKILL this rank while the checkpoint of step k is being written
 """
 

@@ -27,6 +27,7 @@ CLASSES = {
     "collective_failure": True,  # a collective failed or timed out (a peer died or stalled)
     "checkpoint_corrupt": True,  # a checkpoint failed its checksum or cannot be parsed
     "checkpoint_truncated": True,
+    "checkpoint_incomplete": True,  # a sharded checkpoint's manifest names a shard file that is not there
     "crash": True,              # any other exception in the rank
     "user_error": False,        # a kiln error about the run's input: restarting would not help
     "rank_incomplete": True,    # the rank exited 0 before the gang was done

@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.checkpoint.format import SUFFIX
 from kiln.errors import ConfigError, NotBuiltError
 from kiln.launch.health import Health
 from kiln.launch.incidents import CLASSES, Incident, IncidentLog, describe_exit
@@ -112,6 +113,43 @@ def _bind_to_parent() -> None:
     """In the child before exec: die with the supervisor (Linux PR_SET_PDEATHSIG), never orphaned."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+def newest_good_checkpoint(run_dir: Path, run_id: str, attempt: int) -> tuple[int | None, list[Incident]]:
+    """The step of the newest checkpoint under run_dir that verifies (None: start afresh), and an
+    incident for every bad one found on the way. A sharded checkpoint (a manifest and one file per
+    rank, kiln.distributed.checkpoint) is good only with every shard it names present and intact.
+    A bad one is set aside, renamed *.corrupt with its shard files, so that it is no candidate of
+    this or a later attempt (the ranks resume from CheckpointFolder's newest good one: this one)."""
+    from kiln.checkpoint import CheckpointError, CheckpointFolder, load
+    from kiln.checkpoint.sharded import verify_shards
+    found, incidents = [], []
+    folders = [run_dir / "checkpoints"] + sorted(run_dir.glob("*/checkpoints"))
+    for folder in (f for f in folders if f.is_dir()):
+        good = None
+        for path in CheckpointFolder(folder).candidates():
+            try:
+                state = load(path)
+                if isinstance(state, dict) and "sharded" in state:
+                    verify_shards(path, state)
+                    state = state["state"]  # the Trainer's state, saved with the manifest
+            except CheckpointError as e:
+                text = str(e)
+                cls = "checkpoint_incomplete" if "is missing" in text else "checkpoint_truncated" \
+                    if any(w in text for w in ("bytes long", "ends before", "truncated")) else "checkpoint_corrupt"
+                aside = [path, *sorted(folder.glob(path.name.removesuffix(SUFFIX) + ".shard-*" + SUFFIX))]
+                for f in aside:
+                    f.rename(f.with_name(f.name + ".corrupt"))
+                incidents.append(Incident(run_id, attempt, cls, None, None, text,
+                                          f"set aside as {', '.join(f.name + '.corrupt' for f in aside)}; "
+                                          "the previous checkpoint is used"))
+                continue
+            good = int(state.get("step", 0)) if isinstance(state, dict) else 0
+            break
+        found.append(good)
+    if not found or any(g is None for g in found):
+        return None, incidents
+    return min(found), incidents
 
 
 def _descendants(roots: list[int]) -> list[int]:
@@ -404,33 +442,6 @@ class Supervisor:
         return Incident(self.run_id, self.attempt, rep["class"], rank, step, f"{rep['evidence']} ({exit_text})", "",
                         detect_s=detect_s)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _verified_checkpoint(self) -> tuple[int | None, list[Incident]]:
-        """The step of the newest checkpoint that verifies (None: start afresh); every corrupt or
-        truncated one found on the way is renamed *.corrupt (no longer a candidate) and reported."""
-        from kiln.checkpoint import CheckpointError, CheckpointFolder, load
-        found, incidents = [], []
-        folders = [self.run_dir / "checkpoints"] + sorted(self.run_dir.glob("*/checkpoints"))
-        for folder in (f for f in folders if f.is_dir()):
-            good = None
-            for path in CheckpointFolder(folder).candidates():
-                try:
-                    state = load(path)
-                except CheckpointError as e:
-                    text = str(e)
-                    cls = "checkpoint_truncated" if any(w in text for w in ("bytes long", "ends before", "truncated")) \
-                        else "checkpoint_corrupt"
-                    path.rename(path.with_name(path.name + ".corrupt"))
-                    incidents.append(Incident(self.run_id, self.attempt, cls, None, None, text,
-                                              f"set aside as {path.name}.corrupt; the previous checkpoint is used"))
-                    continue
-                good = int(state.get("step", 0)) if isinstance(state, dict) else 0
-                break
-            found.append(good)
-        if not found or any(g is None for g in found):
-            return None, incidents
-        return min(found), incidents
-
     # ------------------------------------------------------------------ the run
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None and signum == signal.SIGINT:  # a second Ctrl-C: no grace
@@ -445,7 +456,7 @@ class Supervisor:
         self._open_store()
         pending: list[Incident] = []
         try:
-            resumed, bad = self._verified_checkpoint()
+            resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, self.attempt)
             for inc in bad:
                 self.incidents.write(inc)
             while True:
@@ -489,7 +500,7 @@ class Supervisor:
                     self.incidents.write(incident)
                     self.say(incident.action)
                     return 1
-                resumed, bad = self._verified_checkpoint()
+                resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, self.attempt)
                 self.attempt += 1
                 for inc in bad:
                     inc.attempt = self.attempt

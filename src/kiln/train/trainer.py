@@ -35,6 +35,7 @@ from kiln.checkpoint.run_folder import (
     save_weights,
     write_config,
 )
+from kiln.checkpoint.sharded import shard_path
 from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
 from kiln.errors import ConfigError, DataError, NotBuiltError
@@ -405,9 +406,9 @@ class Trainer:
                 if checkpoints is not None and c.checkpoint_interval and self.step < c.max_steps \
                         and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
                         and self.stop_signal is None:
-                    saved = self.save_checkpoint(checkpoints)
+                    saved = self._checkpoint(checkpoints, None)
             if checkpoints is not None and saved != self.step:
-                self.save_checkpoint(checkpoints)
+                self._checkpoint(checkpoints, None)
         if self.stop_signal is None:
             self._gather_for_writing()
         if self.launch is not None:
@@ -435,8 +436,10 @@ class Trainer:
         if self.launch is not None:
             self.launch.heartbeat(self.step, "checkpoint")
         step = self.save_checkpoint(checkpoints, saver)
-        if self._faults is not None:
-            self._faults.after_checkpoint(step, checkpoints.path_for(step), saver)
+        if self._faults is not None:  # a sharded checkpoint's fault damages this rank's own shard file
+            path = checkpoints.path_for(step)
+            self._faults.after_checkpoint(step, shard_path(path, self.rank, self.world_size) if self.sharded
+                                          else path, saver)
         return step
 
     def _supervise_step(self, row: dict, seconds: float, checkpoints, saver) -> str:
