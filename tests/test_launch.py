@@ -165,40 +165,6 @@ def test_bad_launch_options_are_errors(tmp_path, capsys):
     assert os.environ.get("KILN_LAUNCH_STORE") is None
 
 
-def test_health_says_not_available_without_nvml_or_prometheus(tmp_path):
-    """On a machine without NVML (or without the optional packages) each part says so and the
-    supervisor goes on: no GPUs chosen, no pinning, no metrics server."""
-    from kiln.launch.health import Health, _cpulist
-    said = []
-    health = Health(tmp_path / "health.jsonl", prometheus_port=_free_port(), say=said.append)
-    try:
-        import pynvml  # noqa: F401
-        has_nvml = True
-    except ImportError:
-        has_nvml = False
-    try:
-        import prometheus_client  # noqa: F401
-        has_prom = True
-    except ImportError:
-        has_prom = False
-    if not has_nvml:
-        assert health.usable_gpus(2) is None and health.cpus_for(0) is None
-        assert any(m.startswith("GPU health: not available") for m in said)
-        health.sample(0)
-        assert not (tmp_path / "health.jsonl").exists()
-    if not has_prom:
-        assert health.prom is None and any(m.startswith("Prometheus export: not available") for m in said)
-    health.close()
-    assert _cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_rendezvous_through_the_launchers_store(tmp_path):
     """One store per job: under kiln launch no rank serves another (TORCHELASTIC_USE_AGENT_STORE),
     and the ranks' exchange (the NCCL id's path without MPI) goes through the launcher's."""

@@ -257,7 +257,7 @@ class Supervisor:
             return
         for local, rank in enumerate(self.ranks):
             log = open(self.run_dir / "logs" / f"rank-{rank}.log", "ab", buffering=0)  # noqa: SIM115 (the child's)
-            cpus = self.health.cpus_for(gpus[local] if gpus else None)
+            cpus = self.health.cpus_for(local, c.nproc, gpus[local] if gpus else None)
 
             def start(cpus=cpus):
                 _bind_to_parent()
