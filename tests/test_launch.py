@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kiln
 from kiln.cli import main
 from kiln.errors import ConfigError, NotBuiltError
 from kiln.launch import BadStepDetector, LaunchConfig
@@ -23,6 +24,7 @@ from kiln.launch.incidents import describe_exit
 from tests.launch_support import incidents, launch, processes_of
 
 STEPS = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_steps.py")]
+ABORT = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_abort.py")]
 
 
 def test_every_rank_gets_torchruns_environment(tmp_path):
@@ -65,6 +67,43 @@ def test_a_hung_rank_is_found_from_its_step_time(tmp_path):
     assert (inc["class"], inc["rank"], inc["step"]) == ("hang", 0, 4)
     assert "no heartbeat progress" in inc["evidence"]
     assert time.monotonic() - t0 < 60
+    assert processes_of(run) == []
+
+
+def test_a_peer_left_waiting_for_a_dead_rank_aborts_through_the_store(tmp_path):
+    """Rank 1 dies at step 3 while rank 0 waits for it in an exchange (300 s timeout): the supervisor
+    tells rank 0 through the store to abort, and it exits by itself at once (no SIGKILL)."""
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = launch(run, [*ABORT, 6, 0.05], "--nproc", 2, "--max-restarts", 1, "--hang-timeout-min", 300,
+                  fault="kill@step=3,rank=1")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 60
+    [inc] = incidents(run)
+    assert (inc["class"], inc["rank"], inc["step"]) == ("dead_rank", 1, 3)
+    assert inc["teardown"].startswith("rank(s) [0] aborted their communicators through the store ([]) and "
+                                      "exited within") and "SIGKILL" not in inc["teardown"], inc["teardown"]
+    assert "kiln launch tears attempt 0 down (dead_rank on rank 1 at step 3): aborted 0 communicator(s)" in \
+        (run / "logs" / "rank-0.log").read_text()
+    for r in range(2):
+        assert json.loads((run / f"rank-{r}.json").read_text()) == {"step": 6, "attempt": 1}
+    assert processes_of(run) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU with CuPy")
+def test_a_hung_ranks_nccl_communicator_is_aborted_through_the_store(tmp_path):
+    """One GPU, world size 1 over NCCL: the rank hangs at step 3; the supervisor's abort through the
+    store makes it ncclCommAbort its communicator and exit, and the restarted attempt finishes."""
+    run = tmp_path / "run"
+    proc = launch(run, [*ABORT, 6, 0.05, "--nccl"], "--nproc", 1, "--max-restarts", 1, "--hang-timeout-min", 2,
+                  fault="hang@step=3")
+    assert proc.returncode == 0, proc.stderr + (run / "logs" / "rank-0.log").read_text()[-3000:]
+    [inc] = incidents(run)
+    assert (inc["class"], inc["rank"], inc["step"]) == ("hang", 0, 3)
+    assert inc["teardown"].startswith("rank(s) [0] aborted their communicators through the store "
+                                      "(['nccl rank 0 of 1'])") and "SIGKILL" not in inc["teardown"], inc["teardown"]
+    assert json.loads((run / "rank-0.json").read_text()) == {"step": 6, "attempt": 1}
     assert processes_of(run) == []
 
 

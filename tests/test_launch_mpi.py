@@ -34,6 +34,23 @@ def reference(tmp_path_factory):
     return load_file(str(run / "model.safetensors"))
 
 
+def test_a_hung_ddp_gang_is_aborted_through_the_store(reference, tmp_path):
+    """Rank 1 stalls at step 6 and rank 0 waits in its all-reduce (a 300 s collective timeout): the
+    supervisor finds the hang from the step time, and both ranks, told through the store, abort and
+    exit by themselves (MPI's communicators end with the process; no SIGKILL needed)."""
+    run = tmp_path / "run"
+    proc = launch(run, TRAIN, "--mpi", "--nproc", 2, "--hang-timeout-min", 3, fault="hang@step=6,rank=1",
+                  env={"KILN_DIST_TIMEOUT": "300"})
+    assert proc.returncode == 0, proc.stderr
+    [inc] = incidents(run)
+    assert (inc["class"], inc["step"], inc["resumed_from_step"]) == ("hang", 6, 4)
+    assert inc["teardown"].startswith("rank(s) [") and "mpi rank" in inc["teardown"], inc["teardown"]
+    assert "SIGKILL" not in inc["teardown"]
+    assert any("kiln launch tears attempt 0 down (hang on rank" in (run / "logs" / f"rank-{r}.log").read_text()
+               for r in range(2))
+    _assert_recovered(run, reference)
+
+
 @pytest.fixture(scope="module")
 def zero1_reference(tmp_path_factory):
     mpiexec()

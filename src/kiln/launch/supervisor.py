@@ -9,8 +9,10 @@ from the measured step time), and the ranks' own failure reports. On a failure i
 gang, classifies the incident, verifies the checkpoints newest first (a corrupt or truncated
 one is set aside and logged), and starts the gang again, up to --max-restarts times; every
 incident is one line of <run>/incidents.jsonl under a run id kept across attempts. SIGINT or
-SIGTERM stop the gang (SIGTERM to each rank, which saves and exits, then SIGKILL after a grace),
-and no child outlives the supervisor (each is also bound to it by PR_SET_PDEATHSIG).
+SIGTERM stop the gang (SIGTERM to each rank, which saves and exits). Whatever is left of a gang
+being torn down is told through the store to abort (each rank aborts its communicators and exits:
+kiln.launch.rank), then SIGKILLed; no child outlives the supervisor (each is also bound to it by
+PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kiln.launch.incidents import CLASSES, Incident, IncidentLog, describe_exit
 from kiln.launch.rank import BAD_STEP_POLICIES
 
 POLL_S = 0.1
+ABORT_WAIT_S = 5.0  # after the abort through the store, how long the ranks get to exit before SIGKILL
 
 
 @dataclass
@@ -298,17 +301,36 @@ class Supervisor:
                 return pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}"
         return None, ""
 
-    def _kill_gang(self, graceful: bool) -> None:
-        """Every child and its process group gone: SIGTERM first when graceful, SIGKILL after."""
+    def _kill_gang(self, graceful: bool, reason: str = "the gang is stopped") -> str | None:
+        """Every child and its process group gone: SIGTERM first when graceful (the ranks save and
+        exit); then the abort through the store (each rank aborts its communicators and exits, on
+        every node); SIGKILL for what is left after ABORT_WAIT_S. Returns how the ranks went, in
+        words (None when none was left to abort)."""
         if graceful:
             self._signal_all(signal.SIGTERM)
-            deadline = time.monotonic() + self.config.grace_s
-            while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
-                time.sleep(POLL_S)
+            self._wait_for_exit(self.config.grace_s)
+        teardown = None
+        if any(p.poll() is None for p in self._procs.values()):
+            t0 = time.monotonic()
+            self.store.set(f"launch/abort/{self.attempt}", reason)
+            self._wait_for_exit(ABORT_WAIT_S)
+            aborted = {r: rec for r in self.ranks if (rec := self._record(f"launch/aborted/{self.attempt}/{r}"))}
+            left = [k for k, p in self._procs.items() if p.poll() is None]
+            teardown = (f"rank(s) {sorted(aborted)} aborted their communicators through the store "
+                        f"({sorted({c for rec in aborted.values() for c in rec['communicators']})}) and exited "
+                        f"within {time.monotonic() - t0:.2f} s" if aborted else "no rank aborted through the store")
+            if left:
+                teardown += f"; SIGKILL for {left} after {ABORT_WAIT_S:g} s"
         self._signal_all(signal.SIGKILL)
         for p in self._procs.values():
             p.wait()
         self._procs = {}
+        return teardown
+
+    def _wait_for_exit(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+            time.sleep(POLL_S / 10)
 
     def _signal_all(self, sig: int) -> None:
         """The signal to every child's process group and to all their descendants (some, such as
@@ -470,8 +492,11 @@ class Supervisor:
                 incident = self._watch(started, resumed, pending)
                 if self._stop is not None:
                     name = signal.Signals(self._stop).name
-                    self.say(f"{name}: stopping the gang (SIGTERM, SIGKILL after {c.grace_s:g} s)")
-                    self._kill_gang(graceful=True)
+                    self.say(f"{name}: stopping the gang (SIGTERM; after {c.grace_s:g} s the abort through the "
+                             f"store, SIGKILL after {ABORT_WAIT_S:g} s more)")
+                    teardown = self._kill_gang(graceful=True, reason=f"{name}: the run is stopped")
+                    if teardown:
+                        self.say(teardown)
                     for inc in pending:
                         inc.action += "; the run was stopped before it trained again"
                         self.incidents.write(inc)
@@ -483,7 +508,8 @@ class Supervisor:
                         self.incidents.write(inc)
                     self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
                     return 0
-                self._kill_gang(graceful=False)
+                incident.teardown = self._kill_gang(
+                    graceful=False, reason=f"{incident.cls} on rank {incident.rank} at step {incident.step}")
                 self.health.incident(incident)
                 self.say(f"rank {incident.rank}: {incident.cls} at step {incident.step}: {incident.evidence}")
                 for inc in pending:  # failed again before it trained: not recovered
