@@ -182,6 +182,11 @@ def test_fault_specs_parse_and_fire_once_on_their_rank_and_attempt():
     plan = FaultPlan([b], rank=0, attempt=1)
     assert plan.loss_scale(2) is None and plan.loss_scale(3) == 100.0 and plan.loss_scale(3) is None
     assert FaultPlan.from_env(0, 1, {"KILN_FAULT": "kill@step=7,rank=1"}) is None
+    # only a NaN or spike changes its step's computation: that step alone runs outside the CUDA graph
+    plan = FaultPlan(parse("kill@step=2;nan@step=4;spike@step=6"), rank=0, attempt=0)
+    assert [s for s in range(1, 8) if plan.acts_inside_step(s)] == [4, 6]
+    plan.loss_scale(6)
+    assert not plan.acts_inside_step(6)  # fired: the step is over
     for bad in ("explode@step=1", "kill@rank=1", "kill@step=x", "kill@step"):
         with pytest.raises(ConfigError):
             parse(bad)

@@ -83,6 +83,12 @@ class FaultPlan:
         return None
 
     # ------------------------------------------------------------------ inside the step
+    def acts_inside_step(self, step: int) -> bool:
+        """True when a fault of `step` changes the step's own computation (nan, spike): that step
+        runs op by op, since a captured CUDA graph replays without calling Python; every other
+        step may replay the graph, as an unfaulted run's do."""
+        return any(f.kind in ("nan", "spike") and f.step == step and not f.fired for f in self.faults)
+
     def loss_scale(self, step: int) -> float | None:
         f = self.due("spike", step)
         return float(f.options.get("scale", 1e4)) if f is not None else None

@@ -209,7 +209,8 @@ class Trainer:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
                 and not self.sharded  # ZeRO/FSDP steps run eagerly (ShardedAdamW is not captured yet)
                 and self.model_config.dropout == 0.0 and not self._graph_failed
-                and self._faults is None)  # injected faults act in Python, inside the step
+                # an injected NaN or spike acts in Python inside its step: that one step runs op by op
+                and not (self._faults is not None and self._faults.acts_inside_step(self.step + 1)))
 
     def _step_body(self, *batches):
         """zero_grad, forward and backward over the micro-batches (x0, y0, x1, y1, ...), clip, update:
