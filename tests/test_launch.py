@@ -107,6 +107,72 @@ def test_a_hung_ranks_nccl_communicator_is_aborted_through_the_store(tmp_path):
     assert processes_of(run) == []
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(run, node: int, port: int, *command, fault: str | None = None) -> subprocess.Popen:
+    """One node's `kiln launch` of a two-node gang (one rank each) on this machine."""
+    env = {k: v for k, v in os.environ.items() if k != "KILN_FAULT"}
+    if fault:
+        env["KILN_FAULT"] = fault
+    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nnodes", "2", "--node-rank",
+           str(node), "--master", f"127.0.0.1:{port}", "--nproc", "1", "--max-restarts", "1",
+           "--hang-timeout-min", "300", "--", *map(str, command)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("dead", [1, 0], ids=["node-1-fails", "node-0-fails"])
+def test_two_nodes_restart_together(tmp_path, dead):
+    """Two `kiln launch` supervisors of one gang (node 0 serves the store) and one shared run folder:
+    the rank of node `dead` is killed at step 3 while its peer waits for it in an exchange; that
+    node writes the incident and sets the abort, the other node's rank aborts through the store,
+    and both nodes start attempt 1 together, which finishes."""
+    run, port = tmp_path / "run", _free_port()
+    nodes = [_node(run, n, port, *ABORT, 6, 0.05, fault=f"kill@step=3,rank={dead}") for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    [inc] = incidents(run)  # written by the failed node only
+    assert (inc["class"], inc["rank"], inc["step"], inc["attempt"]) == ("dead_rank", dead, 3, 0)
+    assert inc["action"] == "gang killed, restarted from the start (no good checkpoint) (attempt 1)"
+    assert inc["recovery_s"] > 0
+    other = 1 - dead
+    assert f"another node tore attempt 0 down (dead_rank on rank {dead} at step 3)" in outs[other][1]
+    assert f"kiln launch tears attempt 0 down (dead_rank on rank {dead} at step 3)" in \
+        (run / "logs" / f"rank-{other}.log").read_text()
+    run_id = json.loads((run / "launch.json").read_text())["run_id"]
+    for r in range(2):
+        assert json.loads((run / f"rank-{r}.json").read_text()) == {"step": 6, "attempt": 1}
+        assert f"run {run_id} attempt 1 rank {r}" in (run / "logs" / f"rank-{r}.log").read_text()
+    assert "finished after 1 restart(s)" in outs[0][1] and "finished after 1 restart(s)" in outs[1][1]
+    assert processes_of(run) == []
+
+
+def test_two_nodes_give_up_together_when_the_budget_is_spent(tmp_path):
+    run, port = tmp_path / "run", _free_port()
+    fail = [sys.executable, "-c", "import os, sys, time; time.sleep(0.5); "
+            "sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(300)"]  # rank 1 fails, rank 0 waits
+    nodes = [_node(run, n, port, *fail) for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [1, 1], outs
+    found = incidents(run)
+    assert [(i["class"], i["rank"], i["attempt"]) for i in found] == [("dead_rank", 1, 0), ("dead_rank", 1, 1)]
+    assert found[1]["action"] == "gave up: the restart budget (1) is spent"
+    assert "gave up: the restart budget (1) is spent" in outs[0][1]
+    assert processes_of(run) == []
+
+
 def test_the_restart_budget_ends_the_run(tmp_path):
     run = tmp_path / "run"
     proc = launch(run, [sys.executable, "-c", "import sys; sys.exit(3)"], "--max-restarts", 1)
@@ -205,7 +271,7 @@ def test_bad_launch_options_are_errors(tmp_path, capsys):
     assert main(["launch", "--run-dir", str(tmp_path / "r")]) == 2
     assert "needs a command" in capsys.readouterr().err
     with pytest.raises(NotBuiltError, match="several nodes"):
-        LaunchConfig(["true"], tmp_path, nnodes=2, master="h:1", max_restarts=1).validate()
+        LaunchConfig(["true"], tmp_path, nnodes=2, master="h:1", mpi=True).validate()
     assert os.environ.get("KILN_LAUNCH_STORE") is None
 
 

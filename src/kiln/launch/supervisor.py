@@ -8,7 +8,9 @@ and polls the gang: exit statuses, heartbeats (a hang is no progress within a ti
 from the measured step time), and the ranks' own failure reports. On a failure it kills the
 gang, classifies the incident, verifies the checkpoints newest first (a corrupt or truncated
 one is set aside and logged), and starts the gang again, up to --max-restarts times; every
-incident is one line of <run>/incidents.jsonl under a run id kept across attempts. SIGINT or
+incident is one line of <run>/incidents.jsonl under a run id kept across attempts. Over several
+nodes each node runs a supervisor for its own ranks; they tear an attempt down and restart it
+together through node 0's store (see "one gang over several nodes" below). SIGINT or
 SIGTERM stop the gang (SIGTERM to each rank, which saves and exits). Whatever is left of a gang
 being torn down is told through the store to abort (each rank aborts its communicators and exits:
 kiln.launch.rank), then SIGKILLed; no child outlives the supervisor (each is also bound to it by
@@ -76,9 +78,6 @@ class LaunchConfig:
         if self.mpi and self.nnodes > 1:
             raise NotBuiltError("--mpi over several nodes (an mpiexec host list) is not built; "
                                 "use --mpi on one node")
-        if self.nnodes > 1 and self.max_restarts > 0:
-            raise NotBuiltError("restarts over several nodes need every node's supervisor to restart "
-                                "together, which is not built; use --max-restarts 0 with --nnodes > 1")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.bad_step not in BAD_STEP_POLICIES:
@@ -179,7 +178,8 @@ class Supervisor:
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        self.run_id = config.run_id or self._stored_run_id()
+        # node 0 keeps the run id in launch.json; the other nodes take it from node 0's store (run())
+        self.run_id = config.run_id or (self._stored_run_id() if config.node_rank == 0 else "")
         self.incidents = IncidentLog(self.run_dir / "incidents.jsonl")
         self.health = Health(self.run_dir / "health.jsonl", config.prometheus_port, self.say)
         self._stop: int | None = None
@@ -301,18 +301,22 @@ class Supervisor:
                 return pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}"
         return None, ""
 
-    def _kill_gang(self, graceful: bool, reason: str = "the gang is stopped") -> str | None:
+    def _kill_gang(self, graceful: bool, reason: str | None = None) -> str | None:
         """Every child and its process group gone: SIGTERM first when graceful (the ranks save and
-        exit); then the abort through the store (each rank aborts its communicators and exits, on
-        every node); SIGKILL for what is left after ABORT_WAIT_S. Returns how the ranks went, in
-        words (None when none was left to abort)."""
+        exit); then, with a reason (a failure, a stop), the abort through the store (each rank
+        aborts its communicators and exits, on every node: with several nodes it is set even when
+        this node's ranks are all gone); SIGKILL for what is left after ABORT_WAIT_S. Returns how
+        this node's ranks went, in words (None when none was left to abort)."""
         if graceful:
             self._signal_all(signal.SIGTERM)
             self._wait_for_exit(self.config.grace_s)
+        alive = any(p.poll() is None for p in self._procs.values())
+        key = f"launch/abort/{self.attempt}"
+        if reason is not None and (alive or self.config.nnodes > 1) and self.store.try_get(key) is None:
+            self.store.set(key, reason)
         teardown = None
-        if any(p.poll() is None for p in self._procs.values()):
+        if alive and self.store.try_get(key) is not None:
             t0 = time.monotonic()
-            self.store.set(f"launch/abort/{self.attempt}", reason)
             self._wait_for_exit(ABORT_WAIT_S)
             aborted = {r: rec for r in self.ranks if (rec := self._record(f"launch/aborted/{self.attempt}/{r}"))}
             left = [k for k, p in self._procs.items() if p.poll() is None]
@@ -388,6 +392,11 @@ class Supervisor:
         while True:
             if self._stop is not None:
                 return None
+            if self.config.nnodes > 1:  # another node tears this attempt down: checked before our ranks'
+                reason = self.store.try_get(f"launch/abort/{self.attempt}")  # exits, which it causes
+                if reason is not None:
+                    return Incident(self.run_id, self.attempt, "peer_node", None, None,
+                                    f"another node tore attempt {self.attempt} down ({reason.decode()})", "")
             now = time.time()
             beats = self._heartbeats()
             self.health.update(beats, self.attempt)
@@ -464,6 +473,83 @@ class Supervisor:
         return Incident(self.run_id, self.attempt, rep["class"], rank, step, f"{rep['evidence']} ({exit_text})", "",
                         detect_s=detect_s)
 
+    # ------------------------------------------------------------------ one gang over several nodes
+    # Every node's supervisor watches its own ranks; node 0's store carries what they must agree on:
+    #   launch/run_id                  node 0's run id, for the other nodes
+    #   launch/abort/<attempt>         set by the node that tears the attempt down first (every rank
+    #                                  on every node aborts; the other nodes' supervisors follow)
+    #   launch/down/<attempt>/<node>   this node's gang of the attempt is gone ({"failed": class or None})
+    #   launch/restart/<attempt>       node 0's decision once every node is down: {"give_up", "resumed"}
+    #   launch/done/<attempt>/<node>   this node's gang finished
+    # Checkpoints are read from the run folder, which several nodes must share (one file system).
+    def _share_run_id(self) -> None:
+        if self.config.node_rank == 0:
+            self.store.set("launch/run_id", self.run_id)
+        elif self.config.run_id is None:
+            self.run_id = self.store.get("launch/run_id", timeout=self.config.startup_timeout_s).decode()
+
+    def _first_checkpoint(self) -> int | None:
+        """The step the first attempt resumes from (node 0 checks the checkpoints, the others ask)."""
+        if self.config.node_rank != 0:
+            return json.loads(self.store.get("launch/restart/-1", timeout=self.config.startup_timeout_s))["resumed"]
+        self._clear_store()
+        resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, self.attempt)
+        for inc in bad:
+            self.incidents.write(inc)
+        self.store.set("launch/restart/-1", json.dumps({"give_up": None, "resumed": resumed}))
+        return resumed
+
+    def _node_down(self, failed: str | None) -> None:
+        """This node's gang of this attempt is gone; failed: the class of the failure found here
+        (None: a peer's failure or a stop brought it down)."""
+        self.store.set(f"launch/down/{self.attempt}/{self.config.node_rank}", json.dumps({"failed": failed}))
+
+    def _restart_decision(self) -> dict:
+        """{"give_up": why or None, "resumed": step or None} for the next attempt, the same on every
+        node: node 0 decides once every node's gang is down (the restart budget, a failure a restart
+        cannot fix, the newest good checkpoint), clears the ranks' keys and publishes it."""
+        c, a = self.config, self.attempt
+        key = f"launch/restart/{a}"
+        if c.node_rank != 0:
+            return json.loads(self.store.get(key, timeout=c.startup_timeout_s + ABORT_WAIT_S))
+        downs = [f"launch/down/{a}/{n}" for n in range(c.nnodes)]
+        self.store.wait(downs, timeout=c.startup_timeout_s + ABORT_WAIT_S)
+        failed = [json.loads(self.store.get(k))["failed"] for k in downs]
+        give_up, resumed = None, None
+        if "stopped" in failed:
+            give_up = f"gave up: node {failed.index('stopped')} was stopped"
+        elif any(f is not None and not CLASSES.get(f, True) for f in failed):
+            give_up = "gave up: not recoverable by a restart"
+        elif a >= c.max_restarts:
+            give_up = f"gave up: the restart budget ({c.max_restarts}) is spent"
+        else:
+            resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, a)
+            for inc in bad:
+                inc.attempt = a + 1
+                self.incidents.write(inc)
+            self._clear_store()
+        decision = {"give_up": give_up, "resumed": resumed}
+        self.store.set(key, json.dumps(decision))
+        return decision
+
+    def _finish(self) -> int:
+        """This node's gang finished: 0. Node 0 serves the store, so it waits for every node's gang
+        to finish or go down first (1 if one went down)."""
+        c = self.config
+        self.store.set(f"launch/done/{self.attempt}/{c.node_rank}", "1")
+        if c.node_rank == 0 and c.nnodes > 1:
+            ends = [(f"launch/done/{self.attempt}/{n}", f"launch/down/{self.attempt}/{n}") for n in range(1, c.nnodes)]
+            deadline = time.monotonic() + c.startup_timeout_s
+            while time.monotonic() < deadline and not all(self.store.try_get(d) is not None
+                                                          or self.store.try_get(f) is not None for d, f in ends):
+                time.sleep(POLL_S)
+            down = [n for n, (d, _) in enumerate(ends, 1) if self.store.try_get(d) is None]
+            if down:
+                self.say(f"node(s) {down} did not finish attempt {self.attempt}")
+                return 1
+        self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
+        return 0
+
     # ------------------------------------------------------------------ the run
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None and signum == signal.SIGINT:  # a second Ctrl-C: no grace
@@ -478,13 +564,11 @@ class Supervisor:
         self._open_store()
         pending: list[Incident] = []
         try:
-            resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, self.attempt)
-            for inc in bad:
-                self.incidents.write(inc)
+            self._share_run_id()
+            resumed = self._first_checkpoint()
             while True:
-                if c.node_rank == 0:
-                    self._clear_store()
                 self.say(f"run {self.run_id} attempt {self.attempt}: {c.nproc} rank(s) of {c.world_size}"
+                         + (f" (node {c.node_rank} of {c.nnodes})" if c.nnodes > 1 else "")
                          + (f", resuming from step {resumed}" if resumed is not None else ""))
                 self.health.sample(self.attempt)
                 started = time.time()
@@ -497,6 +581,9 @@ class Supervisor:
                     teardown = self._kill_gang(graceful=True, reason=f"{name}: the run is stopped")
                     if teardown:
                         self.say(teardown)
+                    self._node_down("stopped")
+                    if c.node_rank == 0 and c.nnodes > 1:
+                        self._restart_decision()  # the other nodes give up too (and may leave the store)
                     for inc in pending:
                         inc.action += "; the run was stopped before it trained again"
                         self.incidents.write(inc)
@@ -506,37 +593,38 @@ class Supervisor:
                     self._write_recovered(pending, self._heartbeats())
                     for inc in pending:  # it finished without a step heartbeat: no time to recover
                         self.incidents.write(inc)
-                    self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
-                    return 0
-                incident.teardown = self._kill_gang(
-                    graceful=False, reason=f"{incident.cls} on rank {incident.rank} at step {incident.step}")
-                self.health.incident(incident)
-                self.say(f"rank {incident.rank}: {incident.cls} at step {incident.step}: {incident.evidence}")
+                    return self._finish()
+                peer = incident.cls == "peer_node"
+                teardown = self._kill_gang(
+                    graceful=False, reason=None if peer else f"{incident.cls} on rank {incident.rank} at step "
+                                                             f"{incident.step}")
+                if peer:
+                    self.say(f"{incident.evidence}: this node's gang went down with it")
+                else:
+                    incident.teardown = teardown
+                    self.health.incident(incident)
+                    self.say(f"rank {incident.rank}: {incident.cls} at step {incident.step}: {incident.evidence}")
                 for inc in pending:  # failed again before it trained: not recovered
                     inc.action += "; failed again before training resumed"
                     self.incidents.write(inc)
                 pending = []
-                if not CLASSES.get(incident.cls, True):
-                    incident.action = "gave up: not recoverable by a restart"
-                    self.incidents.write(incident)
-                    self.say(f"{incident.cls} is not recoverable by a restart; see {self.run_dir / 'logs'}")
+                self._node_down(None if peer else incident.cls)
+                decision = self._restart_decision()
+                if decision["give_up"]:
+                    self.say(decision["give_up"])
+                    if not peer:
+                        incident.action = decision["give_up"]
+                        self.incidents.write(incident)
                     return 1
-                if self.attempt >= c.max_restarts:
-                    incident.action = f"gave up: the restart budget ({c.max_restarts}) is spent"
-                    self.incidents.write(incident)
-                    self.say(incident.action)
-                    return 1
-                resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, self.attempt)
                 self.attempt += 1
-                for inc in bad:
-                    inc.attempt = self.attempt
-                    self.incidents.write(inc)
-                where = f"from step {resumed}" if resumed is not None else "from the start (no good checkpoint)"
-                incident.action = f"gang killed, restarted {where} (attempt {self.attempt})"
-                incident.resumed_from_step = resumed if resumed is not None else 0
-                if incident.step is not None:
-                    incident.steps_lost = incident.step - incident.resumed_from_step
-                pending = [incident]
+                resumed = decision["resumed"]
+                if not peer:
+                    where = f"from step {resumed}" if resumed is not None else "from the start (no good checkpoint)"
+                    incident.action = f"gang killed, restarted {where} (attempt {self.attempt})"
+                    incident.resumed_from_step = resumed if resumed is not None else 0
+                    if incident.step is not None:
+                        incident.steps_lost = incident.step - incident.resumed_from_step
+                    pending = [incident]
         finally:
             self._kill_gang(graceful=False)
             for s, h in previous.items():
