@@ -544,8 +544,10 @@ class Supervisor:
                                                           or self.store.try_get(f) is not None for d, f in ends):
                 time.sleep(POLL_S)
             down = [n for n, (d, _) in enumerate(ends, 1) if self.store.try_get(d) is None]
-            if down:
-                self.say(f"node(s) {down} did not finish attempt {self.attempt}")
+            if down:  # the ranks here finished, so there is no gang left to restart with them
+                why = f"gave up: node(s) {down} did not finish attempt {self.attempt}; node 0's ranks did"
+                self.store.set(f"launch/restart/{self.attempt}", json.dumps({"give_up": why, "resumed": None}))
+                self.say(why)
                 return 1
         self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
         return 0
