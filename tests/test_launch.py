@@ -91,6 +91,7 @@ def test_a_peer_left_waiting_for_a_dead_rank_aborts_through_the_store(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow  # a kiln launch on the GPU: benchmarks/device_check.sh's launch-tests part
 @pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU with CuPy")
 def test_a_hung_ranks_nccl_communicator_is_aborted_through_the_store(tmp_path):
     """One GPU, world size 1 over NCCL: the rank hangs at step 3; the supervisor's abort through the

@@ -15,7 +15,7 @@ bit-equal. Reading the code left these suspects, each isolated by one test here:
 - test_a_killed_gpu_launch_equals_the_unfaulted_one: the whole path, as benchmarks/recovery.py
   runs it on one GPU.
 
-    pytest -m cuda tests/test_launch_recovery_cuda.py
+    pytest -m cuda tests/test_launch_recovery_cuda.py     (or: bash benchmarks/device_check.sh launch-tests)
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ TRAIN = ["kiln", "train", *[a for k, v in MODEL.items() for a in ("--set", f"{k}
          "--checkpoint-interval", 4]
 
 
+@pytest.mark.slow  # kiln train processes on the GPU: benchmarks/device_check.sh's launch-tests part
 @pytest.mark.parametrize("fault", ["kill@step=10", "nan@step=10"])
 def test_a_killed_gpu_launch_equals_the_unfaulted_one(tmp_path, fault):
     """`kiln launch --nproc 1 -- kiln train --device cuda`, a rank killed (or a NaN, restarted) at
