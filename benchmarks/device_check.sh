@@ -8,7 +8,8 @@
 # ddp / tp / cp (the parallel benchmarks at world size 1), precision (kiln compare on the GPU in
 # bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), fidelity (kiln,
 # eager and compile loss curves from the same weights, 300 steps of B8, fp32 and bf16),
-# launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered).
+# launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered), launch-tests
+# (issue 16's CUDA tests: recovery bit for bit, NCCL abort through the store, NVML and NUMA pinning).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -36,6 +37,8 @@ for p in "$@"; do
         fidelity) part fidelity 330 python3 benchmarks/fidelity.py --modes bf16,fp32 --steps 300 --eval-interval 50 \
                       --batch-size 8 --max-files 1500 ;;
         launch) part launch 80 python3 benchmarks/recovery.py --device cuda --faults kill,nan ;;
+        launch-tests) part launch-tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                          tests/test_launch_recovery_cuda.py tests/test_launch.py tests/test_launch_health.py ;;
         *) echo "unknown part $p" ;;
     esac
 done

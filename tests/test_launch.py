@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kiln
 from kiln.cli import main
 from kiln.errors import ConfigError, NotBuiltError
 from kiln.launch import BadStepDetector, LaunchConfig
@@ -23,6 +24,7 @@ from kiln.launch.incidents import describe_exit
 from tests.launch_support import incidents, launch, processes_of
 
 STEPS = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_steps.py")]
+ABORT = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_abort.py")]
 
 
 def test_every_rank_gets_torchruns_environment(tmp_path):
@@ -65,6 +67,110 @@ def test_a_hung_rank_is_found_from_its_step_time(tmp_path):
     assert (inc["class"], inc["rank"], inc["step"]) == ("hang", 0, 4)
     assert "no heartbeat progress" in inc["evidence"]
     assert time.monotonic() - t0 < 60
+    assert processes_of(run) == []
+
+
+def test_a_peer_left_waiting_for_a_dead_rank_aborts_through_the_store(tmp_path):
+    """Rank 1 dies at step 3 while rank 0 waits for it in an exchange (300 s timeout): the supervisor
+    tells rank 0 through the store to abort, and it exits by itself at once (no SIGKILL)."""
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = launch(run, [*ABORT, 6, 0.05], "--nproc", 2, "--max-restarts", 1, "--hang-timeout-min", 300,
+                  fault="kill@step=3,rank=1")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 60
+    [inc] = incidents(run)
+    assert (inc["class"], inc["rank"], inc["step"]) == ("dead_rank", 1, 3)
+    assert inc["teardown"].startswith("rank(s) [0] aborted their communicators through the store ([]) and "
+                                      "exited within") and "SIGKILL" not in inc["teardown"], inc["teardown"]
+    assert "kiln launch tears attempt 0 down (dead_rank on rank 1 at step 3): aborted 0 communicator(s)" in \
+        (run / "logs" / "rank-0.log").read_text()
+    for r in range(2):
+        assert json.loads((run / f"rank-{r}.json").read_text()) == {"step": 6, "attempt": 1}
+    assert processes_of(run) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.slow  # a kiln launch on the GPU: benchmarks/device_check.sh's launch-tests part
+@pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU with CuPy")
+def test_a_hung_ranks_nccl_communicator_is_aborted_through_the_store(tmp_path):
+    """One GPU, world size 1 over NCCL: the rank hangs at step 3; the supervisor's abort through the
+    store makes it ncclCommAbort its communicator and exit, and the restarted attempt finishes."""
+    run = tmp_path / "run"
+    proc = launch(run, [*ABORT, 6, 0.05, "--nccl"], "--nproc", 1, "--max-restarts", 1, "--hang-timeout-min", 2,
+                  fault="hang@step=3")
+    assert proc.returncode == 0, proc.stderr + (run / "logs" / "rank-0.log").read_text()[-3000:]
+    [inc] = incidents(run)
+    assert (inc["class"], inc["rank"], inc["step"]) == ("hang", 0, 3)
+    assert inc["teardown"].startswith("rank(s) [0] aborted their communicators through the store "
+                                      "(['nccl rank 0 of 1'])") and "SIGKILL" not in inc["teardown"], inc["teardown"]
+    assert json.loads((run / "rank-0.json").read_text()) == {"step": 6, "attempt": 1}
+    assert processes_of(run) == []
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(run, node: int, port: int, *command, fault: str | None = None) -> subprocess.Popen:
+    """One node's `kiln launch` of a two-node gang (one rank each) on this machine."""
+    env = {k: v for k, v in os.environ.items() if k != "KILN_FAULT"}
+    if fault:
+        env["KILN_FAULT"] = fault
+    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nnodes", "2", "--node-rank",
+           str(node), "--master", f"127.0.0.1:{port}", "--nproc", "1", "--max-restarts", "1",
+           "--hang-timeout-min", "300", "--", *map(str, command)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("dead", [1, 0], ids=["node-1-fails", "node-0-fails"])
+def test_two_nodes_restart_together(tmp_path, dead):
+    """Two `kiln launch` supervisors of one gang (node 0 serves the store) and one shared run folder:
+    the rank of node `dead` is killed at step 3 while its peer waits for it in an exchange; that
+    node writes the incident and sets the abort, the other node's rank aborts through the store,
+    and both nodes start attempt 1 together, which finishes."""
+    run, port = tmp_path / "run", _free_port()
+    nodes = [_node(run, n, port, *ABORT, 6, 0.05, fault=f"kill@step=3,rank={dead}") for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    [inc] = incidents(run)  # written by the failed node only
+    assert (inc["class"], inc["rank"], inc["step"], inc["attempt"]) == ("dead_rank", dead, 3, 0)
+    assert inc["action"] == "gang killed, restarted from the start (no good checkpoint) (attempt 1)"
+    assert inc["recovery_s"] > 0
+    other = 1 - dead
+    assert f"another node tore attempt 0 down (dead_rank on rank {dead} at step 3)" in outs[other][1]
+    assert f"kiln launch tears attempt 0 down (dead_rank on rank {dead} at step 3)" in \
+        (run / "logs" / f"rank-{other}.log").read_text()
+    run_id = json.loads((run / "launch.json").read_text())["run_id"]
+    for r in range(2):
+        assert json.loads((run / f"rank-{r}.json").read_text()) == {"step": 6, "attempt": 1}
+        assert f"run {run_id} attempt 1 rank {r}" in (run / "logs" / f"rank-{r}.log").read_text()
+    assert "finished after 1 restart(s)" in outs[0][1] and "finished after 1 restart(s)" in outs[1][1]
+    assert processes_of(run) == []
+
+
+def test_two_nodes_give_up_together_when_the_budget_is_spent(tmp_path):
+    run, port = tmp_path / "run", _free_port()
+    fail = [sys.executable, "-c", "import os, sys, time; time.sleep(0.5); "
+            "sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(300)"]  # rank 1 fails, rank 0 waits
+    nodes = [_node(run, n, port, *fail) for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [1, 1], outs
+    found = incidents(run)
+    assert [(i["class"], i["rank"], i["attempt"]) for i in found] == [("dead_rank", 1, 0), ("dead_rank", 1, 1)]
+    assert found[1]["action"] == "gave up: the restart budget (1) is spent"
+    assert "gave up: the restart budget (1) is spent" in outs[0][1]
     assert processes_of(run) == []
 
 
@@ -143,6 +249,11 @@ def test_fault_specs_parse_and_fire_once_on_their_rank_and_attempt():
     plan = FaultPlan([b], rank=0, attempt=1)
     assert plan.loss_scale(2) is None and plan.loss_scale(3) == 100.0 and plan.loss_scale(3) is None
     assert FaultPlan.from_env(0, 1, {"KILN_FAULT": "kill@step=7,rank=1"}) is None
+    # only a NaN or spike changes its step's computation: that step alone runs outside the CUDA graph
+    plan = FaultPlan(parse("kill@step=2;nan@step=4;spike@step=6"), rank=0, attempt=0)
+    assert [s for s in range(1, 8) if plan.acts_inside_step(s)] == [4, 6]
+    plan.loss_scale(6)
+    assert not plan.acts_inside_step(6)  # fired: the step is over
     for bad in ("explode@step=1", "kill@rank=1", "kill@step=x", "kill@step"):
         with pytest.raises(ConfigError):
             parse(bad)
@@ -161,42 +272,8 @@ def test_bad_launch_options_are_errors(tmp_path, capsys):
     assert main(["launch", "--run-dir", str(tmp_path / "r")]) == 2
     assert "needs a command" in capsys.readouterr().err
     with pytest.raises(NotBuiltError, match="several nodes"):
-        LaunchConfig(["true"], tmp_path, nnodes=2, master="h:1", max_restarts=1).validate()
+        LaunchConfig(["true"], tmp_path, nnodes=2, master="h:1", mpi=True).validate()
     assert os.environ.get("KILN_LAUNCH_STORE") is None
-
-
-def test_health_says_not_available_without_nvml_or_prometheus(tmp_path):
-    """On a machine without NVML (or without the optional packages) each part says so and the
-    supervisor goes on: no GPUs chosen, no pinning, no metrics server."""
-    from kiln.launch.health import Health, _cpulist
-    said = []
-    health = Health(tmp_path / "health.jsonl", prometheus_port=_free_port(), say=said.append)
-    try:
-        import pynvml  # noqa: F401
-        has_nvml = True
-    except ImportError:
-        has_nvml = False
-    try:
-        import prometheus_client  # noqa: F401
-        has_prom = True
-    except ImportError:
-        has_prom = False
-    if not has_nvml:
-        assert health.usable_gpus(2) is None and health.cpus_for(0) is None
-        assert any(m.startswith("GPU health: not available") for m in said)
-        health.sample(0)
-        assert not (tmp_path / "health.jsonl").exists()
-    if not has_prom:
-        assert health.prom is None and any(m.startswith("Prometheus export: not available") for m in said)
-    health.close()
-    assert _cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def test_ranks_rendezvous_through_the_launchers_store(tmp_path):

@@ -1,14 +1,18 @@
 """`kiln launch --mpi -- kiln train --parallel ddp`: the Trainer's data parallelism over 2 MPI
-ranks on the CPU, supervised and recovered: a rank killed at step k, and a stalled rank whose
-peer's all-reduce times out. Each run ends with the unfaulted run's parameters, bit for bit, and
-no process left behind (issue 16)."""
+ranks on the CPU, supervised and recovered: a rank killed at step k, a stalled rank whose peer's
+all-reduce times out, and (ZeRO-1, one checkpoint file per rank) a corrupt or missing shard. Each
+run ends with the unfaulted run's parameters, bit for bit, and no process left behind (issue 16)."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from kiln.checkpoint import CheckpointFolder
+from kiln.launch.supervisor import newest_good_checkpoint
 from tests.launch_support import incidents, launch, processes_of
 from tests.mpi_runner import mpiexec
 
@@ -17,6 +21,7 @@ MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
 TRAIN = ["kiln", "train", "--parallel", "ddp", *[a for k, v in MODEL.items() for a in ("--set", f"{k}={v}")],
          "--batch-size", 4, "--steps", 12, "--eval-interval", 12, "--device", "cpu", "--no-progress",
          "--checkpoint-interval", 4]
+ZERO1 = [a if a != "ddp" else "zero1" for a in TRAIN]  # sharded checkpoints: a manifest and a file per rank
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +32,33 @@ def reference(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     assert incidents(run) == []
     return load_file(str(run / "model.safetensors"))
+
+
+def test_a_hung_ddp_gang_is_aborted_through_the_store(reference, tmp_path):
+    """Rank 1 stalls at step 6 and rank 0 waits in its all-reduce (a 300 s collective timeout): the
+    supervisor finds the hang from the step time, and both ranks, told through the store, abort and
+    exit by themselves (MPI's communicators end with the process; no SIGKILL needed)."""
+    run = tmp_path / "run"
+    proc = launch(run, TRAIN, "--mpi", "--nproc", 2, "--hang-timeout-min", 3, fault="hang@step=6,rank=1",
+                  env={"KILN_DIST_TIMEOUT": "300"})
+    assert proc.returncode == 0, proc.stderr
+    [inc] = incidents(run)
+    assert (inc["class"], inc["step"], inc["resumed_from_step"]) == ("hang", 6, 4)
+    assert inc["teardown"].startswith("rank(s) [") and "mpi rank" in inc["teardown"], inc["teardown"]
+    assert "SIGKILL" not in inc["teardown"]
+    assert any("kiln launch tears attempt 0 down (hang on rank" in (run / "logs" / f"rank-{r}.log").read_text()
+               for r in range(2))
+    _assert_recovered(run, reference)
+
+
+@pytest.fixture(scope="module")
+def zero1_reference(tmp_path_factory):
+    mpiexec()
+    run = tmp_path_factory.mktemp("zero1") / "run"
+    proc = launch(run, ZERO1, "--mpi", "--nproc", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert incidents(run) == []
+    return run
 
 
 def _assert_recovered(run, reference):
@@ -60,3 +92,41 @@ def test_a_stalled_collective_times_out_and_the_gang_restarts(reference, tmp_pat
     assert "rank(s) [1] did not report the failed collective" in inc["evidence"]
     assert inc["detect_s"] < 30  # the collective's timeout, not the hang timeout (60 s)
     _assert_recovered(run, reference)
+
+
+def test_a_corrupt_shard_rolls_back_to_the_previous_sharded_checkpoint(zero1_reference, tmp_path):
+    """Rank 1 damages its own shard of the step-8 checkpoint once it is durable, then dies: the
+    manifest still verifies, the shard does not, so the gang resumes from step 4."""
+    run = tmp_path / "run"
+    proc = launch(run, ZERO1, "--mpi", "--nproc", 2, fault="corrupt@step=8,rank=1")
+    assert proc.returncode == 0, proc.stderr
+    found = {i["class"]: i for i in incidents(run)}
+    assert sorted(found) == ["checkpoint_corrupt", "dead_rank"], found
+    dead, bad = found["dead_rank"], found["checkpoint_corrupt"]
+    assert (dead["rank"], dead["step"], dead["resumed_from_step"]) == (1, 8, 4)
+    assert "ckpt-00000008.shard-00001-of-00002.kiln" in bad["evidence"] and "checksum" in bad["evidence"]
+    folder = run / "checkpoints"
+    for name in ("ckpt-00000008.kiln", "ckpt-00000008.shard-00000-of-00002.kiln",
+                 "ckpt-00000008.shard-00001-of-00002.kiln"):  # set aside together, the manifest with its shards
+        assert (folder / f"{name}.corrupt").is_file(), name
+    assert "resuming" in (run / "logs" / "rank-0.log").read_text() and "at step 4" in \
+        (run / "logs" / "rank-0.log").read_text()
+    _assert_recovered(run, load_file(str(zero1_reference / "model.safetensors")))
+
+
+def test_a_missing_shard_makes_the_previous_sharded_checkpoint_the_newest_good_one(zero1_reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(zero1_reference / "checkpoints", run / "checkpoints")
+    folder = run / "checkpoints"
+    assert [s for s, _ in CheckpointFolder(folder).checkpoints()] == [4, 8, 12]
+    (folder / "ckpt-00000012.shard-00000-of-00002.kiln").unlink()
+    step, [inc] = newest_good_checkpoint(run, "r", 3)
+    assert step == 8
+    assert (inc.cls, inc.attempt, inc.rank) == ("checkpoint_incomplete", 3, None)
+    assert "ckpt-00000012.shard-00000-of-00002.kiln" in inc.evidence and "is missing" in inc.evidence
+    assert sorted(p.name for p in folder.glob("ckpt-00000012*")) == [
+        "ckpt-00000012.kiln.corrupt", "ckpt-00000012.shard-00001-of-00002.kiln.corrupt"]
+    # what the ranks then resume from (CheckpointFolder.load_latest) is the same checkpoint
+    state, path = CheckpointFolder(folder).load_latest(report=lambda msg: None)
+    assert (path.name, state["state"]["step"]) == ("ckpt-00000008.kiln", 8)
+    assert newest_good_checkpoint(run, "r", 4) == (8, [])  # set aside once, not reported again

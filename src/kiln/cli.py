@@ -289,8 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="start N ranks of a command and supervise them: restart the gang "
                                        "from the newest good checkpoint on a failure (-- kiln train ...)")
     la.add_argument("--nproc", type=int, default=1, help="ranks on this node (default 1)")
-    la.add_argument("--nnodes", type=int, default=1)
-    la.add_argument("--node-rank", type=int, default=0)
+    la.add_argument("--nnodes", type=int, default=1,
+                    help="nodes of the gang, each with its own kiln launch (default 1); they restart together, "
+                         "so their --run-dir must be one shared folder")
+    la.add_argument("--node-rank", type=int, default=0, help="this node's place, 0..nnodes-1 (node 0 serves the store)")
     la.add_argument("--master", help="HOST:PORT of node 0's store (default: a free local port)")
     la.add_argument("--max-restarts", type=int, default=3, help="restarts of the gang before giving up (default 3)")
     la.add_argument("--run-dir", help="the run folder, kept across restarts (default runs/launch-<time>): "

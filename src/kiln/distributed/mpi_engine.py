@@ -153,8 +153,10 @@ class MPIEngine:
     def order_after(self, work) -> None:  # CPU work is complete when waited
         raise AssertionError("MPI work has no event")
 
-    def abort(self) -> None:
-        mpi().COMM_WORLD.Abort(1)
+    def abort(self, job: bool = True) -> None:
+        """MPI_Abort of the job (job False: nothing; an MPI communicator ends with its process)."""
+        if job:
+            mpi().COMM_WORLD.Abort(1)
 
 
 class _Chain:

@@ -181,9 +181,10 @@ class NCCLEngine:
     def order_after(self, work) -> None:
         self.nccl.wait_event(work.event)
 
-    def abort(self) -> None:
+    def abort(self, job: bool = True) -> None:
+        """ncclCommAbort; job: end the MPI job too when the ranks are MPI's."""
         self.comm.abort()
-        if isinstance(self.channel, MPIChannel):
+        if job and isinstance(self.channel, MPIChannel):
             self.channel.comm.Abort(1)
 
 

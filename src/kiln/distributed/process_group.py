@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 from kiln.distributed.environment import Environment, detect
 from kiln.distributed.work import Work
@@ -31,6 +32,7 @@ BACKENDS = ("auto", "nccl", "mpi")
 DEFAULT_TIMEOUT = 300.0
 
 _world: ProcessGroup | None = None
+_engines: weakref.WeakSet = weakref.WeakSet()  # every live group's engine, for abort_communicators
 
 
 class ProcessGroup:
@@ -39,6 +41,7 @@ class ProcessGroup:
 
     def __init__(self, engine, ranks: list[int], backend: str):
         self.engine, self.ranks, self.backend = engine, list(ranks), backend
+        _engines.add(engine)
 
     @property
     def rank(self) -> int:
@@ -237,6 +240,19 @@ def abort_job(reason: str) -> None:
     sys.stderr.write(f"kiln: aborting all {_world.size} ranks: {reason}\n")
     sys.stderr.flush()
     _world.abort()
+
+
+def abort_communicators() -> list[str]:
+    """Tear down every communicator of this process's groups now, without waiting for peers
+    (ncclCommAbort: its kernels stuck on a dead peer exit), and mark them broken; an MPI
+    communicator ends with the process. For a rank that is about to exit because its gang is
+    being torn down (kiln launch's abort through the store). Returns what it aborted, in words."""
+    done = []
+    for engine in list(_engines):
+        engine.broken = True
+        engine.abort(job=False)
+        done.append(f"{type(engine).__name__.removesuffix('Engine').lower()} rank {engine.rank} of {engine.size}")
+    return sorted(done)
 
 
 def _mpi_world(env: Environment, timeout: float):

@@ -11,7 +11,9 @@ first, so that the restarted gang trains clean). Kinds, each a failure of paper 
     oom        raise a host MemoryError (where=host) or the device's OutOfMemoryError
                (where=device) at the start of step k
     truncate   cut the checkpoint of step k to half its length once it is durable, then SIGKILL
+               (a sharded checkpoint: this rank's own shard file)
     corrupt    flip bytes in the middle of the checkpoint of step k once durable, then SIGKILL
+               (a sharded checkpoint: this rank's own shard file)
     kill_ckpt  SIGKILL this rank while the checkpoint of step k is being written
 """
 
@@ -81,6 +83,12 @@ class FaultPlan:
         return None
 
     # ------------------------------------------------------------------ inside the step
+    def acts_inside_step(self, step: int) -> bool:
+        """True when a fault of `step` changes the step's own computation (nan, spike): that step
+        runs op by op, since a captured CUDA graph replays without calling Python; every other
+        step may replay the graph, as an unfaulted run's do."""
+        return any(f.kind in ("nan", "spike") and f.step == step and not f.fired for f in self.faults)
+
     def loss_scale(self, step: int) -> float | None:
         f = self.due("spike", step)
         return float(f.options.get("scale", 1e4)) if f is not None else None

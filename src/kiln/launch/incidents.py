@@ -2,7 +2,8 @@
 
     {"run_id": "...", "attempt": 0, "class": "dead_rank", "rank": 1, "step": 7,
      "evidence": "exit: killed by SIGKILL", "action": "restart from step 4 (ckpt-00000004.kiln)",
-     "detected_at": 1764790000.1, "detect_s": 0.2, "recovery_s": 3.2, "steps_lost": 3}
+     "detected_at": 1764790000.1, "detect_s": 0.2, "recovery_s": 3.2, "steps_lost": 3,
+     "teardown": "rank(s) [0] aborted their communicators through the store ([...]) and exited within 0.1 s"}
 
 The classes follow paper §4.4's taxonomy, as far as a process can tell them apart.
 """
@@ -27,6 +28,7 @@ CLASSES = {
     "collective_failure": True,  # a collective failed or timed out (a peer died or stalled)
     "checkpoint_corrupt": True,  # a checkpoint failed its checksum or cannot be parsed
     "checkpoint_truncated": True,
+    "checkpoint_incomplete": True,  # a sharded checkpoint's manifest names a shard file that is not there
     "crash": True,              # any other exception in the rank
     "user_error": False,        # a kiln error about the run's input: restarting would not help
     "rank_incomplete": True,    # the rank exited 0 before the gang was done
@@ -47,6 +49,7 @@ class Incident:
     recovery_s: float | None = None     # from the detection to training again
     steps_lost: int | None = None
     resumed_from_step: int | None = None
+    teardown: str | None = None         # how the gang's ranks went: aborted through the store, or SIGKILLed
 
     def record(self) -> dict:
         d = asdict(self)

@@ -6,6 +6,12 @@ KILN_LAUNCH_STORE and writes, under keys of its attempt:
     launch/hb/<attempt>/<rank>        {"step", "time", "phase", "step_s", "loss", "grad_norm"}
     launch/error/<attempt>/<rank>     {"class", "step", "evidence"}: why this rank is exiting
     launch/incident/<attempt>/<rank>/<n>  a bad step handled in place (skipped or rolled back)
+    launch/aborted/<attempt>/<rank>   {"time", "communicators"}: this rank obeyed the abort
+
+and watches `launch/abort/<attempt>`, which the supervisor sets when it tears the gang down (a
+rank died, hung or failed; a stop): the rank then aborts its communicators (ncclCommAbort) and
+exits at once, instead of waiting in a collective for a peer that is gone until the collective
+timeout, on every node of the gang (the supervisor's SIGKILL reaches only its own node).
 
 A process not started by `kiln launch` has no agent (`RankAgent.from_env()` is None).
 """
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -24,6 +32,7 @@ from kiln.launch.faults import FaultPlan
 from kiln.launch.incidents import classify_exception
 
 BAD_STEP_POLICIES = ("restart", "skip", "rollback")
+ABORTED_EXIT = 70  # a rank's exit status after the supervisor's abort through the store
 
 
 class BadStepError(RuntimeError):
@@ -63,8 +72,41 @@ class RankAgent:
                                    window=int(env.get("KILN_SPIKE_WINDOW", "100")),
                                    min_history=int(env.get("KILN_SPIKE_MIN_HISTORY", "10")),
                                    ratio=float(env.get("KILN_SPIKE_RATIO", "2")))
-        return cls(TCPStore(host, int(port), timeout=60.0), rank, attempt, Path(env["KILN_RUN_DIR"]),
-                   env.get("KILN_BAD_STEP", "restart"), detector, FaultPlan.from_env(rank, attempt, env))
+        agent = cls(TCPStore(host, int(port), timeout=60.0), rank, attempt, Path(env["KILN_RUN_DIR"]),
+                    env.get("KILN_BAD_STEP", "restart"), detector, FaultPlan.from_env(rank, attempt, env))
+        # its own connection: the heartbeats' is not held up by a wait that lasts the whole attempt
+        agent.watch_for_abort(TCPStore(host, int(port), timeout=60.0))
+        return agent
+
+    def watch_for_abort(self, store) -> threading.Thread:
+        """A daemon thread that waits for the supervisor's `launch/abort/<attempt>`; then aborts this
+        process's communicators (kiln.distributed.abort_communicators), tells the supervisor so,
+        and ends the process with ABORTED_EXIT. It ends quietly when the store goes away."""
+        def watch():
+            from kiln.distributed.process_group import abort_communicators
+            from kiln.errors import DistributedError
+            key = f"launch/abort/{self.attempt}"
+            try:
+                while True:
+                    try:
+                        store.wait(key, timeout=600.0)
+                        break
+                    except DistributedError as e:
+                        if "were not set within" not in str(e):
+                            return  # the store is gone: the supervisor is too (PR_SET_PDEATHSIG ends us)
+                reason = store.get(key).decode()
+                done = abort_communicators()
+                store.set(self._key("aborted"), json.dumps({"time": time.time(), "communicators": done}))
+                sys.stderr.write(f"kiln: rank {self.rank}: kiln launch tears attempt {self.attempt} down "
+                                 f"({reason}): aborted {len(done)} communicator(s) {done}, exiting\n")
+                sys.stderr.flush()
+            except Exception:  # the store went away mid-abort: exit all the same
+                pass
+            os._exit(ABORTED_EXIT)
+
+        thread = threading.Thread(target=watch, name="kiln-launch-abort", daemon=True)
+        thread.start()
+        return thread
 
     def _key(self, kind: str) -> str:
         return f"launch/{kind}/{self.attempt}/{self.rank}"

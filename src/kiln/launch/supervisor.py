@@ -8,9 +8,13 @@ and polls the gang: exit statuses, heartbeats (a hang is no progress within a ti
 from the measured step time), and the ranks' own failure reports. On a failure it kills the
 gang, classifies the incident, verifies the checkpoints newest first (a corrupt or truncated
 one is set aside and logged), and starts the gang again, up to --max-restarts times; every
-incident is one line of <run>/incidents.jsonl under a run id kept across attempts. SIGINT or
-SIGTERM stop the gang (SIGTERM to each rank, which saves and exits, then SIGKILL after a grace),
-and no child outlives the supervisor (each is also bound to it by PR_SET_PDEATHSIG).
+incident is one line of <run>/incidents.jsonl under a run id kept across attempts. Over several
+nodes each node runs a supervisor for its own ranks; they tear an attempt down and restart it
+together through node 0's store (see "one gang over several nodes" below). SIGINT or
+SIGTERM stop the gang (SIGTERM to each rank, which saves and exits). Whatever is left of a gang
+being torn down is told through the store to abort (each rank aborts its communicators and exits:
+kiln.launch.rank), then SIGKILLed; no child outlives the supervisor (each is also bound to it by
+PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.checkpoint.format import SUFFIX
 from kiln.errors import ConfigError, NotBuiltError
 from kiln.launch.health import Health
 from kiln.launch.incidents import CLASSES, Incident, IncidentLog, describe_exit
 from kiln.launch.rank import BAD_STEP_POLICIES
 
 POLL_S = 0.1
+ABORT_WAIT_S = 5.0  # after the abort through the store, how long the ranks get to exit before SIGKILL
 
 
 @dataclass
@@ -72,9 +78,6 @@ class LaunchConfig:
         if self.mpi and self.nnodes > 1:
             raise NotBuiltError("--mpi over several nodes (an mpiexec host list) is not built; "
                                 "use --mpi on one node")
-        if self.nnodes > 1 and self.max_restarts > 0:
-            raise NotBuiltError("restarts over several nodes need every node's supervisor to restart "
-                                "together, which is not built; use --max-restarts 0 with --nnodes > 1")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.bad_step not in BAD_STEP_POLICIES:
@@ -114,6 +117,43 @@ def _bind_to_parent() -> None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
+def newest_good_checkpoint(run_dir: Path, run_id: str, attempt: int) -> tuple[int | None, list[Incident]]:
+    """The step of the newest checkpoint under run_dir that verifies (None: start afresh), and an
+    incident for every bad one found on the way. A sharded checkpoint (a manifest and one file per
+    rank, kiln.distributed.checkpoint) is good only with every shard it names present and intact.
+    A bad one is set aside, renamed *.corrupt with its shard files, so that it is no candidate of
+    this or a later attempt (the ranks resume from CheckpointFolder's newest good one: this one)."""
+    from kiln.checkpoint import CheckpointError, CheckpointFolder, load
+    from kiln.checkpoint.sharded import verify_shards
+    found, incidents = [], []
+    folders = [run_dir / "checkpoints"] + sorted(run_dir.glob("*/checkpoints"))
+    for folder in (f for f in folders if f.is_dir()):
+        good = None
+        for path in CheckpointFolder(folder).candidates():
+            try:
+                state = load(path)
+                if isinstance(state, dict) and "sharded" in state:
+                    verify_shards(path, state)
+                    state = state["state"]  # the Trainer's state, saved with the manifest
+            except CheckpointError as e:
+                text = str(e)
+                cls = "checkpoint_incomplete" if "is missing" in text else "checkpoint_truncated" \
+                    if any(w in text for w in ("bytes long", "ends before", "truncated")) else "checkpoint_corrupt"
+                aside = [path, *sorted(folder.glob(path.name.removesuffix(SUFFIX) + ".shard-*" + SUFFIX))]
+                for f in aside:
+                    f.rename(f.with_name(f.name + ".corrupt"))
+                incidents.append(Incident(run_id, attempt, cls, None, None, text,
+                                          f"set aside as {', '.join(f.name + '.corrupt' for f in aside)}; "
+                                          "the previous checkpoint is used"))
+                continue
+            good = int(state.get("step", 0)) if isinstance(state, dict) else 0
+            break
+        found.append(good)
+    if not found or any(g is None for g in found):
+        return None, incidents
+    return min(found), incidents
+
+
 def _descendants(roots: list[int]) -> list[int]:
     """Every live descendant of these pids (from /proc; empty where there is no /proc)."""
     children: dict[int, list[int]] = {}
@@ -138,7 +178,8 @@ class Supervisor:
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        self.run_id = config.run_id or self._stored_run_id()
+        # node 0 keeps the run id in launch.json; the other nodes take it from node 0's store (run())
+        self.run_id = config.run_id or (self._stored_run_id() if config.node_rank == 0 else "")
         self.incidents = IncidentLog(self.run_dir / "incidents.jsonl")
         self.health = Health(self.run_dir / "health.jsonl", config.prometheus_port, self.say)
         self._stop: int | None = None
@@ -219,7 +260,7 @@ class Supervisor:
             return
         for local, rank in enumerate(self.ranks):
             log = open(self.run_dir / "logs" / f"rank-{rank}.log", "ab", buffering=0)  # noqa: SIM115 (the child's)
-            cpus = self.health.cpus_for(gpus[local] if gpus else None)
+            cpus = self.health.cpus_for(local, c.nproc, gpus[local] if gpus else None)
 
             def start(cpus=cpus):
                 _bind_to_parent()
@@ -260,17 +301,40 @@ class Supervisor:
                 return pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}"
         return None, ""
 
-    def _kill_gang(self, graceful: bool) -> None:
-        """Every child and its process group gone: SIGTERM first when graceful, SIGKILL after."""
+    def _kill_gang(self, graceful: bool, reason: str | None = None) -> str | None:
+        """Every child and its process group gone: SIGTERM first when graceful (the ranks save and
+        exit); then, with a reason (a failure, a stop), the abort through the store (each rank
+        aborts its communicators and exits, on every node: with several nodes it is set even when
+        this node's ranks are all gone); SIGKILL for what is left after ABORT_WAIT_S. Returns how
+        this node's ranks went, in words (None when none was left to abort)."""
         if graceful:
             self._signal_all(signal.SIGTERM)
-            deadline = time.monotonic() + self.config.grace_s
-            while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
-                time.sleep(POLL_S)
+            self._wait_for_exit(self.config.grace_s)
+        alive = any(p.poll() is None for p in self._procs.values())
+        key = f"launch/abort/{self.attempt}"
+        if reason is not None and (alive or self.config.nnodes > 1) and self.store.try_get(key) is None:
+            self.store.set(key, reason)
+        teardown = None
+        if alive and self.store.try_get(key) is not None:
+            t0 = time.monotonic()
+            self._wait_for_exit(ABORT_WAIT_S)
+            aborted = {r: rec for r in self.ranks if (rec := self._record(f"launch/aborted/{self.attempt}/{r}"))}
+            left = [k for k, p in self._procs.items() if p.poll() is None]
+            teardown = (f"rank(s) {sorted(aborted)} aborted their communicators through the store "
+                        f"({sorted({c for rec in aborted.values() for c in rec['communicators']})}) and exited "
+                        f"within {time.monotonic() - t0:.2f} s" if aborted else "no rank aborted through the store")
+            if left:
+                teardown += f"; SIGKILL for {left} after {ABORT_WAIT_S:g} s"
         self._signal_all(signal.SIGKILL)
         for p in self._procs.values():
             p.wait()
         self._procs = {}
+        return teardown
+
+    def _wait_for_exit(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+            time.sleep(POLL_S / 10)
 
     def _signal_all(self, sig: int) -> None:
         """The signal to every child's process group and to all their descendants (some, such as
@@ -328,6 +392,11 @@ class Supervisor:
         while True:
             if self._stop is not None:
                 return None
+            if self.config.nnodes > 1:  # another node tears this attempt down: checked before our ranks'
+                reason = self.store.try_get(f"launch/abort/{self.attempt}")  # exits, which it causes
+                if reason is not None:
+                    return Incident(self.run_id, self.attempt, "peer_node", None, None,
+                                    f"another node tore attempt {self.attempt} down ({reason.decode()})", "")
             now = time.time()
             beats = self._heartbeats()
             self.health.update(beats, self.attempt)
@@ -404,32 +473,84 @@ class Supervisor:
         return Incident(self.run_id, self.attempt, rep["class"], rank, step, f"{rep['evidence']} ({exit_text})", "",
                         detect_s=detect_s)
 
-    # ------------------------------------------------------------------ checkpoints
-    def _verified_checkpoint(self) -> tuple[int | None, list[Incident]]:
-        """The step of the newest checkpoint that verifies (None: start afresh); every corrupt or
-        truncated one found on the way is renamed *.corrupt (no longer a candidate) and reported."""
-        from kiln.checkpoint import CheckpointError, CheckpointFolder, load
-        found, incidents = [], []
-        folders = [self.run_dir / "checkpoints"] + sorted(self.run_dir.glob("*/checkpoints"))
-        for folder in (f for f in folders if f.is_dir()):
-            good = None
-            for path in CheckpointFolder(folder).candidates():
-                try:
-                    state = load(path)
-                except CheckpointError as e:
-                    text = str(e)
-                    cls = "checkpoint_truncated" if any(w in text for w in ("bytes long", "ends before", "truncated")) \
-                        else "checkpoint_corrupt"
-                    path.rename(path.with_name(path.name + ".corrupt"))
-                    incidents.append(Incident(self.run_id, self.attempt, cls, None, None, text,
-                                              f"set aside as {path.name}.corrupt; the previous checkpoint is used"))
-                    continue
-                good = int(state.get("step", 0)) if isinstance(state, dict) else 0
-                break
-            found.append(good)
-        if not found or any(g is None for g in found):
-            return None, incidents
-        return min(found), incidents
+    # ------------------------------------------------------------------ one gang over several nodes
+    # Every node's supervisor watches its own ranks; node 0's store carries what they must agree on:
+    #   launch/run_id                  node 0's run id, for the other nodes
+    #   launch/abort/<attempt>         set by the node that tears the attempt down first (every rank
+    #                                  on every node aborts; the other nodes' supervisors follow)
+    #   launch/down/<attempt>/<node>   this node's gang of the attempt is gone ({"failed": class or None})
+    #   launch/restart/<attempt>       node 0's decision once every node is down: {"give_up", "resumed"}
+    #   launch/done/<attempt>/<node>   this node's gang finished
+    # Checkpoints are read from the run folder, which several nodes must share (one file system).
+    def _share_run_id(self) -> None:
+        if self.config.node_rank == 0:
+            self.store.set("launch/run_id", self.run_id)
+        elif self.config.run_id is None:
+            self.run_id = self.store.get("launch/run_id", timeout=self.config.startup_timeout_s).decode()
+
+    def _first_checkpoint(self) -> int | None:
+        """The step the first attempt resumes from (node 0 checks the checkpoints, the others ask)."""
+        if self.config.node_rank != 0:
+            return json.loads(self.store.get("launch/restart/-1", timeout=self.config.startup_timeout_s))["resumed"]
+        self._clear_store()
+        resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, self.attempt)
+        for inc in bad:
+            self.incidents.write(inc)
+        self.store.set("launch/restart/-1", json.dumps({"give_up": None, "resumed": resumed}))
+        return resumed
+
+    def _node_down(self, failed: str | None) -> None:
+        """This node's gang of this attempt is gone; failed: the class of the failure found here
+        (None: a peer's failure or a stop brought it down)."""
+        self.store.set(f"launch/down/{self.attempt}/{self.config.node_rank}", json.dumps({"failed": failed}))
+
+    def _restart_decision(self) -> dict:
+        """{"give_up": why or None, "resumed": step or None} for the next attempt, the same on every
+        node: node 0 decides once every node's gang is down (the restart budget, a failure a restart
+        cannot fix, the newest good checkpoint), clears the ranks' keys and publishes it."""
+        c, a = self.config, self.attempt
+        key = f"launch/restart/{a}"
+        if c.node_rank != 0:
+            return json.loads(self.store.get(key, timeout=c.startup_timeout_s + ABORT_WAIT_S))
+        downs = [f"launch/down/{a}/{n}" for n in range(c.nnodes)]
+        self.store.wait(downs, timeout=c.startup_timeout_s + ABORT_WAIT_S)
+        failed = [json.loads(self.store.get(k))["failed"] for k in downs]
+        give_up, resumed = None, None
+        if "stopped" in failed:
+            give_up = f"gave up: node {failed.index('stopped')} was stopped"
+        elif any(f is not None and not CLASSES.get(f, True) for f in failed):
+            give_up = "gave up: not recoverable by a restart"
+        elif a >= c.max_restarts:
+            give_up = f"gave up: the restart budget ({c.max_restarts}) is spent"
+        else:
+            resumed, bad = newest_good_checkpoint(self.run_dir, self.run_id, a)
+            for inc in bad:
+                inc.attempt = a + 1
+                self.incidents.write(inc)
+            self._clear_store()
+        decision = {"give_up": give_up, "resumed": resumed}
+        self.store.set(key, json.dumps(decision))
+        return decision
+
+    def _finish(self) -> int:
+        """This node's gang finished: 0. Node 0 serves the store, so it waits for every node's gang
+        to finish or go down first (1 if one went down)."""
+        c = self.config
+        self.store.set(f"launch/done/{self.attempt}/{c.node_rank}", "1")
+        if c.node_rank == 0 and c.nnodes > 1:
+            ends = [(f"launch/done/{self.attempt}/{n}", f"launch/down/{self.attempt}/{n}") for n in range(1, c.nnodes)]
+            deadline = time.monotonic() + c.startup_timeout_s
+            while time.monotonic() < deadline and not all(self.store.try_get(d) is not None
+                                                          or self.store.try_get(f) is not None for d, f in ends):
+                time.sleep(POLL_S)
+            down = [n for n, (d, _) in enumerate(ends, 1) if self.store.try_get(d) is None]
+            if down:  # the ranks here finished, so there is no gang left to restart with them
+                why = f"gave up: node(s) {down} did not finish attempt {self.attempt}; node 0's ranks did"
+                self.store.set(f"launch/restart/{self.attempt}", json.dumps({"give_up": why, "resumed": None}))
+                self.say(why)
+                return 1
+        self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
+        return 0
 
     # ------------------------------------------------------------------ the run
     def _on_signal(self, signum, frame) -> None:
@@ -445,13 +566,11 @@ class Supervisor:
         self._open_store()
         pending: list[Incident] = []
         try:
-            resumed, bad = self._verified_checkpoint()
-            for inc in bad:
-                self.incidents.write(inc)
+            self._share_run_id()
+            resumed = self._first_checkpoint()
             while True:
-                if c.node_rank == 0:
-                    self._clear_store()
                 self.say(f"run {self.run_id} attempt {self.attempt}: {c.nproc} rank(s) of {c.world_size}"
+                         + (f" (node {c.node_rank} of {c.nnodes})" if c.nnodes > 1 else "")
                          + (f", resuming from step {resumed}" if resumed is not None else ""))
                 self.health.sample(self.attempt)
                 started = time.time()
@@ -459,8 +578,14 @@ class Supervisor:
                 incident = self._watch(started, resumed, pending)
                 if self._stop is not None:
                     name = signal.Signals(self._stop).name
-                    self.say(f"{name}: stopping the gang (SIGTERM, SIGKILL after {c.grace_s:g} s)")
-                    self._kill_gang(graceful=True)
+                    self.say(f"{name}: stopping the gang (SIGTERM; after {c.grace_s:g} s the abort through the "
+                             f"store, SIGKILL after {ABORT_WAIT_S:g} s more)")
+                    teardown = self._kill_gang(graceful=True, reason=f"{name}: the run is stopped")
+                    if teardown:
+                        self.say(teardown)
+                    self._node_down("stopped")
+                    if c.node_rank == 0 and c.nnodes > 1:
+                        self._restart_decision()  # the other nodes give up too (and may leave the store)
                     for inc in pending:
                         inc.action += "; the run was stopped before it trained again"
                         self.incidents.write(inc)
@@ -470,36 +595,38 @@ class Supervisor:
                     self._write_recovered(pending, self._heartbeats())
                     for inc in pending:  # it finished without a step heartbeat: no time to recover
                         self.incidents.write(inc)
-                    self.say(f"run {self.run_id} finished after {self.attempt} restart(s)")
-                    return 0
-                self._kill_gang(graceful=False)
-                self.health.incident(incident)
-                self.say(f"rank {incident.rank}: {incident.cls} at step {incident.step}: {incident.evidence}")
+                    return self._finish()
+                peer = incident.cls == "peer_node"
+                teardown = self._kill_gang(
+                    graceful=False, reason=None if peer else f"{incident.cls} on rank {incident.rank} at step "
+                                                             f"{incident.step}")
+                if peer:
+                    self.say(f"{incident.evidence}: this node's gang went down with it")
+                else:
+                    incident.teardown = teardown
+                    self.health.incident(incident)
+                    self.say(f"rank {incident.rank}: {incident.cls} at step {incident.step}: {incident.evidence}")
                 for inc in pending:  # failed again before it trained: not recovered
                     inc.action += "; failed again before training resumed"
                     self.incidents.write(inc)
                 pending = []
-                if not CLASSES.get(incident.cls, True):
-                    incident.action = "gave up: not recoverable by a restart"
-                    self.incidents.write(incident)
-                    self.say(f"{incident.cls} is not recoverable by a restart; see {self.run_dir / 'logs'}")
+                self._node_down(None if peer else incident.cls)
+                decision = self._restart_decision()
+                if decision["give_up"]:
+                    self.say(decision["give_up"])
+                    if not peer:
+                        incident.action = decision["give_up"]
+                        self.incidents.write(incident)
                     return 1
-                if self.attempt >= c.max_restarts:
-                    incident.action = f"gave up: the restart budget ({c.max_restarts}) is spent"
-                    self.incidents.write(incident)
-                    self.say(incident.action)
-                    return 1
-                resumed, bad = self._verified_checkpoint()
                 self.attempt += 1
-                for inc in bad:
-                    inc.attempt = self.attempt
-                    self.incidents.write(inc)
-                where = f"from step {resumed}" if resumed is not None else "from the start (no good checkpoint)"
-                incident.action = f"gang killed, restarted {where} (attempt {self.attempt})"
-                incident.resumed_from_step = resumed if resumed is not None else 0
-                if incident.step is not None:
-                    incident.steps_lost = incident.step - incident.resumed_from_step
-                pending = [incident]
+                resumed = decision["resumed"]
+                if not peer:
+                    where = f"from step {resumed}" if resumed is not None else "from the start (no good checkpoint)"
+                    incident.action = f"gang killed, restarted {where} (attempt {self.attempt})"
+                    incident.resumed_from_step = resumed if resumed is not None else 0
+                    if incident.step is not None:
+                        incident.steps_lost = incident.step - incident.resumed_from_step
+                    pending = [incident]
         finally:
             self._kill_gang(graceful=False)
             for s, h in previous.items():

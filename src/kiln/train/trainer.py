@@ -35,6 +35,7 @@ from kiln.checkpoint.run_folder import (
     save_weights,
     write_config,
 )
+from kiln.checkpoint.sharded import shard_path
 from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
 from kiln.errors import ConfigError, DataError
@@ -207,7 +208,8 @@ class Trainer:
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
                 and self.model_config.dropout == 0.0 and not self._graph_failed
-                and self._faults is None)  # injected faults act in Python, inside the step
+                # an injected NaN or spike acts in Python inside its step: that one step runs op by op
+                and not (self._faults is not None and self._faults.acts_inside_step(self.step + 1)))
 
     def _step_body(self, *batches):
         """zero_grad, forward and backward over the micro-batches (x0, y0, x1, y1, ...), clip, update:
@@ -404,9 +406,9 @@ class Trainer:
                 if checkpoints is not None and c.checkpoint_interval and self.step < c.max_steps \
                         and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
                         and self.stop_signal is None:
-                    saved = self.save_checkpoint(checkpoints)
+                    saved = self._checkpoint(checkpoints, None)
             if checkpoints is not None and saved != self.step:
-                self.save_checkpoint(checkpoints)
+                self._checkpoint(checkpoints, None)
         if self.stop_signal is None:
             self._gather_for_writing()
         if self.launch is not None:
@@ -434,8 +436,10 @@ class Trainer:
         if self.launch is not None:
             self.launch.heartbeat(self.step, "checkpoint")
         step = self.save_checkpoint(checkpoints, saver)
-        if self._faults is not None:
-            self._faults.after_checkpoint(step, checkpoints.path_for(step), saver)
+        if self._faults is not None:  # a sharded checkpoint's fault damages this rank's own shard file
+            path = checkpoints.path_for(step)
+            self._faults.after_checkpoint(step, shard_path(path, self.rank, self.world_size) if self.sharded
+                                          else path, saver)
         return step
 
     def _supervise_step(self, row: dict, seconds: float, checkpoints, saver) -> str:

@@ -82,6 +82,7 @@ class Communicator:
             raise DistributedError(f"NCCL communicator of {world_size} ranks (rank {rank}) failed: {e}") from e
         self.stream = new_stream(high_priority=True)  # collectives jump the compute stream's queue
         self.world_size, self.rank = world_size, rank
+        self.aborted = False
 
     def _run(self, call):
         """Order after kiln's stream, run call(stream_ptr) on the comm stream; the event after it."""
@@ -179,8 +180,11 @@ class Communicator:
         return None
 
     def abort(self) -> None:
-        """Tear the communicator down without waiting for peers (ncclCommAbort): stuck kernels exit."""
-        self._comm.abort()
+        """Tear the communicator down without waiting for peers (ncclCommAbort): stuck kernels exit.
+        Once: a watchdog, an exit handler and the launcher's abort may each ask."""
+        if not self.aborted:
+            self.aborted = True
+            self._comm.abort()
 
     def destroy(self) -> None:
         self._comm.destroy()
