@@ -23,3 +23,25 @@ def test_tensor_parallel_layers_and_gpt_equal_dense(n, tmp_path):
         # outputs); async TP makes each N all-reduces of a 1/N share, nothing else
         for chunks in (1, 2, 4):
             assert counts[f"block_all_reduces_{chunks}"] == [tokens * width // chunks] * (2 * chunks), (r, counts)
+
+
+@pytest.mark.dist
+def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(tmp_path):
+    """benchmarks/tp.py on 2 CPU ranks (MPI for kiln, gloo for PyTorch): the DTensor peer (every
+    parameter a DTensor, fused AdamW, clip_grad_norm_, loss_parallel) trains kiln's losses, plain
+    and async TP, to fp32 rounding over 5 AdamW steps."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.mpi_runner import mpiexec
+    out = tmp_path / "tp.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "tp.py"),
+           "--device", "cpu", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "5",
+           "--chunks", "1,2", "--precision", "fp32", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["framework"], r["chunks"]) for r in rows] == [("kiln", 1), ("kiln", 2), ("torch", None)]
+    assert all(r["loss_diff"] < 1e-5 for r in rows), rows
