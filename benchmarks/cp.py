@@ -136,13 +136,13 @@ def main(argv=None) -> int:
 
     import kiln.distributed as dist
     env = dist.detect()
-    for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29534)):
-        os.environ.setdefault(key, str(value))
     cuda = args.device.startswith("cuda")
     if cuda:
         args.device = f"cuda:{env.local_rank}"
-    world = dist.init_process_group("nccl" if cuda else "mpi")
+    world = dist.init_process_group("nccl" if cuda else "mpi")  # from the launcher's own variables (mpiexec's)
+    for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29534)):
+        os.environ.setdefault(key, str(value))  # then torch's, from them
     tdist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size)
     rows = []
     for t in [int(s) for s in args.seq_lens.split(",")]:
