@@ -12,7 +12,7 @@ torch.compile with inductor's micro-pipeline TP; it rewrites sequence parallelis
 reduce-scatter matmuls, so on these all-reduces it is torch.compile alone). Same initial weights,
 same batches, AdamW, fp32 or bf16. Reports tokens/s (median over the steps after the first 3),
 peak memory per rank and the largest per-step loss difference from PyTorch. Rank 0 writes
-benchmarks/results/tp-<date>.json. At W=1 on one GPU it exercises the NCCL code paths; --device
+benchmarks/results/tp/tp-<date>.json. At W=1 on one GPU it exercises the NCCL code paths; --device
 cpu runs over MPI (kiln) and gloo (PyTorch) in fp32 (tests/test_tensor_parallel.py runs it on 2 ranks).
 """
 
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         result = {"benchmark": "tp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),
                   "args": vars(args), "rows": rows}
-        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"tp-{datetime.date.today()}.json"
+        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "tp" / f"tp-{datetime.date.today()}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
