@@ -45,3 +45,31 @@ def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["framework"], r["chunks"]) for r in rows] == [("kiln", 1), ("kiln", 2), ("torch", None)]
     assert all(r["loss_diff"] < 1e-5 for r in rows), rows
+
+
+def test_async_tp_trace_counts_kernels_by_stream_and_the_collective_time_under_gemms():
+    """benchmarks/async_tp_trace.py's reading of a Chrome trace: two chunks' GEMMs on stream 7, their
+    all-reduces on stream 20, the first all-reduce half under the second GEMM, the last after it."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("async_tp_trace", Path(__file__).parents[1] / "benchmarks" /
+                                                  "async_tp_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def kernel(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+    events = [kernel("nvjet_tst_128x64_64x4_1x2_h_bz_TNT", 0, 10, 7), kernel("sm90_xmma_gemm_bf16", 10, 10, 7),
+              kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 15, 10, 20),
+              kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 30, 4, 20), kernel("layer_norm_fwd<float>", 20, 3, 7),
+              kernel("gemm_on_the_comm_stream", 31, 2, 20),  # a GEMM, but not beside the all-reduce
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventRecord", "ts": 0, "dur": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamWaitEvent", "ts": 1, "dur": 1},
+              {"ph": "i", "cat": "kernel", "name": "ncclDevKernel_instant", "ts": 2}]
+    s = mod.summarize({"traceEvents": events}, steps=1)
+    assert (s["gemm_kernels_per_step"], s["collective_kernels_per_step"], s["other_kernels_per_step"]) == (3, 2, 1)
+    assert (s["gemm_streams"], s["collective_streams"]) == ([7, 20], [20])
+    assert (s["event_records_per_step"], s["stream_waits_per_step"]) == (1, 1)
+    assert s["collective_ms_per_step"] == pytest.approx(14e-3) and s["overlapped_ms_per_step"] == pytest.approx(5e-3)
+    assert s["overlap_fraction"] == pytest.approx(5 / 14)
+    assert mod.covered_us([(0, 10)], [(2, 4), (3, 6), (8, 20)]) == 6.0
