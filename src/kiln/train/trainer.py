@@ -262,9 +262,10 @@ class Trainer:
             self._faults.poison_gradients(self.step + 1, self.model.parameters())
         # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
         norm = None
-        if c.grad_clip > 0:  # tp: the dense model's norm, its shards' squares summed over the tp ranks
-            norm = self.optimizer.clip_grad_norm_(
-                c.grad_clip, None if self.model_parallel is None else self.model_parallel.grad_norm())
+        if c.grad_clip > 0 and self.model_parallel is not None:  # the dense model's norm: tp shards' squares summed
+            norm = self.optimizer.clip_grad_norm_(c.grad_clip, self.model_parallel.grad_norm())
+        elif c.grad_clip > 0:
+            norm = self.optimizer.clip_grad_norm_(c.grad_clip)
         self.optimizer.step()
         total = total / accum if accum > 1 else total
         if self.group is not None:  # the logged loss is the global batch's
@@ -332,7 +333,7 @@ class Trainer:
                 self._reporting_failures(), \
                 tqdm(total=c.max_steps, initial=self.step, disable=not c.progress, unit="step",
                      dynamic_ncols=True) as bar:
-            while self.step < c.max_steps and self._keep_going():
+            while self._keep_going() and self.step < c.max_steps:
                 if saver is not None:
                     saver.check()  # a failed background save is reported here, at the next step
                 t0, before = time.perf_counter(), self.step
@@ -379,7 +380,7 @@ class Trainer:
                 if self._faults is not None:
                     self._faults.after_step(self.step)
                 if c.checkpoint_interval and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
-                        and self.step < c.max_steps and self.stop_signal is None:
+                        and self.step < c.max_steps:  # not on this rank's own stop signal: ranks save alike
                     saved = self._checkpoint(checkpoints, saver)
             if saved != self.step:  # the end, or a signal: the step is done, save it
                 self._checkpoint(checkpoints, saver)
@@ -409,7 +410,8 @@ class Trainer:
         return summary
 
     def _keep_going(self) -> bool:
-        """No stop signal here (nor, with several ranks, on any rank: they stop at the same step)."""
+        """No stop signal here (nor, with several ranks, on any rank: they stop at the same step).
+        Tested before the step count, at the end too, so all ranks leave fit() on the same path."""
         if self.group is not None:
             flag = kiln.tensor([self.stop_signal or 0], dtype="int64", device=self.device)
             self.group.all_reduce(flag, "max")
@@ -431,7 +433,7 @@ class Trainer:
         if self.launch is not None:
             self.launch.heartbeat(self.step, "start")
         with self._stop_on_signals(), self._reporting_failures():
-            while self.step < c.max_steps and self._keep_going():
+            while self._keep_going() and self.step < c.max_steps:
                 t0 = time.perf_counter()
                 row = self.train_step()
                 if self.launch is not None:
@@ -443,8 +445,7 @@ class Trainer:
                 if self._faults is not None:
                     self._faults.after_step(self.step)
                 if collective and c.checkpoint_interval and self.step < c.max_steps \
-                        and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
-                        and self.stop_signal is None:
+                        and self.step // c.checkpoint_interval > saved // c.checkpoint_interval:
                     saved = self.save_checkpoint(checkpoints)
             if collective and saved != self.step:
                 self.save_checkpoint(checkpoints)
