@@ -298,8 +298,8 @@ class Trainer:
                                 "gathered there; sampling during the run is not built")
         ids = self.tokenizer.encode(prompt) or [0]
         out = self.dense_model.generate(kiln.tensor([ids], device=self.device), tokens, temperature=0.8,
-                                  generator=self.sample_rng if seed is None else np.random.default_rng(seed),
-                                  vocab_limit=self.tokenizer.vocab_size)
+                                        generator=self.sample_rng if seed is None else np.random.default_rng(seed),
+                                        vocab_limit=self.tokenizer.vocab_size)
         return self.tokenizer.decode(out.numpy()[0].tolist())
 
     # ------------------------------------------------------------------ the run
