@@ -13,7 +13,9 @@ instead of `batch`; `optimizer.clip_grad_norm_(1.0, run.grad_norm())` is the cli
 
 Gradients are averaged over the ranks that hold the same shards (dp x cp: each holds other rows
 or other tokens of the batch, and the loss is their mean) by DistributedDataParallel on that group;
-the tp ranks' replicated parameters get equal gradients by construction (tensor_parallel).
+the tp ranks' replicated parameters get equal gradients by construction (tensor_parallel). The
+tp and cp ranks of a replica draw one process's dropout masks (tensor_parallel, context_parallel);
+replicas draw theirs as DDP ranks do, each as one process would for its rows.
 """
 
 from __future__ import annotations
