@@ -27,7 +27,7 @@ for p in "$@"; do
         tests) part pytest-cuda 190 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider tests ;;
         gpt2) part gpt2_step 190 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
         ddp) part ddp 100 python3 benchmarks/ddp.py --steps 20 --warmup 5 ;;
-        tp) part tp 70 python3 benchmarks/tp.py ;;
+        tp) part tp 120 python3 benchmarks/tp.py ;;
         cp) part cp 50 python3 benchmarks/cp.py --seq-lens 16384 ;;
         tptrace) part async_tp_trace 120 python3 benchmarks/async_tp_trace.py ;;
         precision) part precision-bf16 45 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
