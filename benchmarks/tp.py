@@ -11,7 +11,8 @@ embeddings replicated DTensors, so fused AdamW and clip_grad_norm_ take them all
 torch.compile with inductor's micro-pipeline TP; it rewrites sequence parallelism's all-gather /
 reduce-scatter matmuls, so on these all-reduces it is torch.compile alone). Same initial weights,
 same batches, AdamW, fp32 or bf16. Reports tokens/s (median over the steps after the first 3),
-peak memory per rank and the largest per-step loss difference from PyTorch. Rank 0 writes
+peak memory per rank and the largest per-step loss and gradient-norm differences from PyTorch
+(the norm before the clip at 1.0). Rank 0 writes
 benchmarks/results/tp/tp-<date>.json. At W=1 on one GPU it exercises the NCCL code paths; --device
 cpu runs over MPI (kiln) and gloo (PyTorch) in fp32 (tests/test_tensor_parallel.py runs it on 2 ranks).
 """
@@ -53,7 +54,7 @@ def run_kiln(args, cfg, data, chunks):
     apply_precision(model, args.precision, dev)
     run = ModelParallel(model, dist.DeviceMesh({"tp": world.size}), chunks=chunks)
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95))
-    losses, times = [], []
+    losses, norms, times = [], [], []
     for i, (x, y) in enumerate(data):
         if i == 1:
             dev.backend.end_warmup()
@@ -61,12 +62,12 @@ def run_kiln(args, cfg, data, chunks):
         opt.zero_grad()
         _, loss = model(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev))
         loss.backward()
-        opt.clip_grad_norm_(1.0, run.grad_norm())  # fused into the step, no host sync
+        norms.append(opt.clip_grad_norm_(1.0, run.grad_norm()))  # fused into the step, no host sync
         opt.step()
         losses.append(loss.item())  # the host sync that ends the step
         times.append(time.perf_counter() - t0)
     peak = dev.backend.memory_stats().get("peak_allocated_bytes")
-    return losses, times, peak
+    return losses, [n.item() for n in norms], times, peak
 
 
 def run_torch(args, cfg, data, kiln_state):
@@ -153,7 +154,7 @@ def run_torch(args, cfg, data, kiln_state):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
                             lr=6e-4, betas=(0.9, 0.95), fused=True)
-    losses, times = [], []
+    losses, norms, times = [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for x, y in data:
@@ -162,11 +163,12 @@ def run_torch(args, cfg, data, kiln_state):
         with loss_parallel(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = fwd(torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev))
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True))
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
-    return losses, times, torch.cuda.max_memory_allocated() if cuda else None
+    norms = [(n.full_tensor() if isinstance(n, DTensor) else n).item() for n in norms]
+    return losses, norms, times, torch.cuda.max_memory_allocated() if cuda else None
 
 
 def _replicated_input(mesh):
@@ -209,19 +211,21 @@ def main(argv=None) -> int:
     data = batches(args, cfg.vocab_size)
     state = {n: p.numpy() for n, p in GPT(cfg, generator=kiln.Generator(1234)).named_parameters()}
     rows = []
-    torch_losses, torch_times, torch_peak = run_torch(args, cfg, data, state)
+    torch_losses, torch_norms, torch_times, torch_peak = run_torch(args, cfg, data, state)
     tokens = args.batch_size * args.seq_len
     for chunks in [int(c) for c in args.chunks.split(",")]:
-        losses, times, peak = run_kiln(args, cfg, data, chunks)
+        losses, norms, times, peak = run_kiln(args, cfg, data, chunks)
         rows.append({"framework": "kiln", "chunks": chunks, "tokens_per_s": tokens / float(np.median(times[WARMUP:])),
-                     "peak_bytes": peak, "loss_diff": max(abs(a - b) for a, b in zip(losses, torch_losses))})
+                     "peak_bytes": peak, "loss_diff": max(abs(a - b) for a, b in zip(losses, torch_losses)),
+                     "grad_norm_diff": max(abs(a - b) for a, b in zip(norms, torch_norms))})
     rows.append({"framework": "torch-async" if args.torch_async else "torch", "chunks": None,
                  "tokens_per_s": tokens / float(np.median(torch_times[WARMUP:])), "peak_bytes": torch_peak,
-                 "loss_diff": 0.0})
+                 "loss_diff": 0.0, "grad_norm_diff": 0.0, "grad_norms": torch_norms})
     if env.rank == 0:
         for row in rows:
             print(f"{row['framework']:12s} N={row['chunks']!s:5s} {row['tokens_per_s']:12.0f} tok/s  "
-                  f"peak {row['peak_bytes']!s:>12s} B  loss diff {row['loss_diff']:.2e}")
+                  f"peak {row['peak_bytes']!s:>12s} B  loss diff {row['loss_diff']:.2e}  "
+                  f"grad norm diff {row['grad_norm_diff']:.2e}")
         commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         result = {"benchmark": "tp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),

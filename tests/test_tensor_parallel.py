@@ -28,8 +28,8 @@ def test_tensor_parallel_layers_and_gpt_equal_dense(n, tmp_path):
 @pytest.mark.dist
 def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(tmp_path):
     """benchmarks/tp.py on 2 CPU ranks (MPI for kiln, gloo for PyTorch): the DTensor peer (every
-    parameter a DTensor, fused AdamW, clip_grad_norm_, loss_parallel) trains kiln's losses, plain
-    and async TP, to fp32 rounding over 5 AdamW steps."""
+    parameter a DTensor, fused AdamW, clip_grad_norm_, loss_parallel) trains kiln's losses and
+    gradient norms, plain and async TP, to fp32 rounding over 5 clipped AdamW steps."""
     import json
     import subprocess
     import sys
@@ -44,7 +44,8 @@ def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["framework"], r["chunks"]) for r in rows] == [("kiln", 1), ("kiln", 2), ("torch", None)]
-    assert all(r["loss_diff"] < 1e-5 for r in rows), rows
+    assert all(r["loss_diff"] < 1e-5 and r["grad_norm_diff"] < 1e-5 for r in rows), rows
+    assert min(rows[-1]["grad_norms"]) > 1.0  # the clip at 1.0 acted on every step, on both sides
 
 
 def test_async_tp_trace_counts_kernels_by_stream_and_the_collective_time_under_gemms():
