@@ -132,6 +132,20 @@ def test_impossible_tp_cp_layouts_are_config_errors_naming_the_values():
         TrainConfig(tp_chunks=0).validate()
 
 
+@pytest.mark.dist
+def test_tp_in_bf16_on_mpi_ranks_is_refused_before_anything_is_written(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.mpi_runner import mpiexec
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "kiln.cli", "train", "--tp", "2", "--precision", "bf16",
+           "--device", "cpu", "--steps", "1", "--out", str(tmp_path / "runs")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "tp 2 in bf16 sums bf16 activations over the tp ranks, which MPI cannot reduce" in proc.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
 def test_cli_tp_cp_flags_reach_the_config():
     from kiln.cli import build_parser
     args = build_parser().parse_args(["train", "--tp", "2", "--cp", "4", "--cp-transport", "all_gather",

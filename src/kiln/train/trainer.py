@@ -113,6 +113,11 @@ class Trainer:
             sizes = mesh_sizes(config, self.model_config, self.seq_len, self.world_size)
             self.mesh = DeviceMesh({"dp": sizes["dp"], "cp": sizes["cp"], "tp": sizes["tp"]}, self.group)
             self.replicas, self.replica = sizes["dp"], self.mesh.coordinate["dp"]
+            from kiln.distributed.mpi_engine import REDUCIBLE, MPIEngine
+            if config.tp > 1 and config.precision == "bf16" and isinstance(self.group.engine, MPIEngine):
+                raise ConfigError(f"tp {config.tp} in bf16 sums bf16 activations over the tp ranks, which MPI cannot "
+                                  f"reduce (it reduces {', '.join(REDUCIBLE)}): on CPU ranks use precision fp32 or "
+                                  "fp64 with tp")
         self.grad_accum = accumulation_steps(config, self.seq_len, self.replicas)
         # on cuda the loaders stage batches through pinned memory on a copy stream (Algorithm 2);
         # replica r of W reads its own rows of each global batch (the loader's rank stride); its tp and
