@@ -67,17 +67,20 @@ def _assert_same_run(run, rows_one, weights_one, tol):
 
 
 @pytest.mark.dist
-def test_trainer_tp2_cp2_with_dropout_equals_one_process(tmp_path):
-    """4 ranks as tp 2 x cp 2 (one replica, ring attention, async TP in 2 chunks), dropout 0.1: every
-    rank draws one process's masks (tp: replicated activations; cp: its tokens of the whole mask),
-    so the loss curve, the gradient norms, the evaluations and the weights are the single process's."""
+@pytest.mark.parametrize("dp, transport, dropout", [(1, "p2p", 0.1), (2, "all_gather", 0.0)])
+def test_trainer_tp2_cp2_equals_one_process(dp, transport, dropout, tmp_path):
+    """tp 2 x cp 2 (async TP in 2 chunks) on 4 ranks, and 2 replicas of it (--parallel ddp) on 8: the
+    loss curve, the gradient norms, the evaluations and the weights are the single process's. With
+    dropout 0.1 (one replica) every rank draws one process's masks (tp: replicated activations; cp:
+    its tokens of the whole sequence's mask)."""
     out = tmp_path / "mp"
-    results, _, _ = run_ranks("train_model_parallel.py", 4, tmp_path, out, 2, 2, "none", 4, 4, 0.1, "p2p", 2,
-                              timeout=180)
-    assert sorted((r["coordinate"]["cp"], r["coordinate"]["tp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert [(r["replicas"], r["grad_accum"]) for r in results] == [(1, 2)] * 4
+    results, _, _ = run_ranks("train_model_parallel.py", 4 * dp, tmp_path, out, 2, 2, "ddp" if dp > 1 else "none",
+                              4 // dp, 4, dropout, transport, 2, timeout=240)
+    assert sorted((r["coordinate"]["dp"], r["coordinate"]["cp"], r["coordinate"]["tp"]) for r in results) == \
+        sorted((a, b, c) for a in range(dp) for b in range(2) for c in range(2))
+    assert [(r["replicas"], r["grad_accum"]) for r in results] == [(dp, 2)] * 4 * dp
     assert sorted(p.name for p in out.iterdir()) == ["run"]  # rank 0's run folder alone
-    single, rows_one, weights_one = _single_process_run(tmp_path, dropout=0.1)
+    single, rows_one, weights_one = _single_process_run(tmp_path, dropout=dropout)
     _assert_same_run(out / "run", rows_one, weights_one, 1e-10)
     assert abs(results[0]["summary"]["final_val_loss"] - single["final_val_loss"]) < 1e-10
     assert (out / "run" / "sample.txt").read_text()  # rank 0 sampled from the gathered dense model
