@@ -9,7 +9,7 @@ W ranks (zigzag load balance; B x H x T x D, bf16 by default), tokens/s (B * T o
 kiln's peak allocated memory per rank, and the largest difference of kiln's output from PyTorch
 SDPA on the whole sequence (rows of this rank). PyTorch runs SDPA under
 torch.distributed.tensor.experimental.context_parallel with its allgather and alltoall rotate
-methods. Rank 0 writes benchmarks/results/cp-<date>.json. At W=1 on one GPU it exercises the
+methods. Rank 0 writes benchmarks/results/cp/cp-<date>.json. At W=1 on one GPU it exercises the
 code paths (every block is the diagonal one); on the GPU kiln's p2p and all_gather transports
 need a non-causal attention kernel for the off-diagonal blocks at W > 1, which kiln does not have
 yet: those rows report the NotBuiltError instead of a time.
@@ -136,13 +136,13 @@ def main(argv=None) -> int:
 
     import kiln.distributed as dist
     env = dist.detect()
-    for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29534)):
-        os.environ.setdefault(key, str(value))
     cuda = args.device.startswith("cuda")
     if cuda:
         args.device = f"cuda:{env.local_rank}"
-    world = dist.init_process_group("nccl" if cuda else "mpi")
+    world = dist.init_process_group("nccl" if cuda else "mpi")  # from the launcher's own variables (mpiexec's)
+    for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29534)):
+        os.environ.setdefault(key, str(value))  # then torch's, from them
     tdist.init_process_group("nccl" if cuda else "gloo", rank=env.rank, world_size=env.world_size)
     rows = []
     for t in [int(s) for s in args.seq_lens.split(",")]:
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         result = {"benchmark": "cp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),
                   "args": vars(args), "rows": rows}
-        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"cp-{datetime.date.today()}.json"
+        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "cp" / f"cp-{datetime.date.today()}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")

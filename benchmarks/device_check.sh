@@ -2,10 +2,11 @@
 # One device call that checks a session's work on a GPU machine: the CUDA tests, then whichever
 # benchmark parts are named (each under its own time limit, its log in one archive under $OUT).
 #
-#   OUT=/tmp/out bash benchmarks/device_check.sh tests gpt2 ddp tp cp precision profile launch
+#   OUT=/tmp/out bash benchmarks/device_check.sh tests gpt2 ddp tp cp tptrace precision profile launch
 #
 # Parts: tests (pytest -m "cuda and not slow"), gpt2 (gpt2_step bf16: kiln vs eager vs compile),
-# ddp / tp / cp (the parallel benchmarks at world size 1), precision (kiln compare on the GPU in
+# ddp / tp / cp (the parallel benchmarks at world size 1), tptrace (the async-TP schedule, N = 1 and 4,
+# in a CUPTI trace at world size 1), precision (kiln compare on the GPU in
 # bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), fidelity (kiln,
 # eager and compile loss curves from the same weights, 300 steps of B8, fp32 and bf16),
 # launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered), launch-tests
@@ -27,8 +28,9 @@ for p in "$@"; do
         tests) part pytest-cuda 190 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider tests ;;
         gpt2) part gpt2_step 190 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
         ddp) part ddp 100 python3 benchmarks/ddp.py --steps 20 --warmup 5 ;;
-        tp) part tp 70 python3 benchmarks/tp.py ;;
+        tp) part tp 120 python3 benchmarks/tp.py ;;
         cp) part cp 50 python3 benchmarks/cp.py --seq-lens 16384 ;;
+        tptrace) part async_tp_trace 120 python3 benchmarks/async_tp_trace.py ;;
         precision) part precision-bf16 45 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
                        --precision bf16 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-bf16"
                    part precision-fp32 45 python3 -m kiln.cli compare --config gpt2-124m --device cuda \

@@ -4,12 +4,17 @@
     torchrun --nproc-per-node W benchmarks/tp.py ...          (either launcher; W GPUs, one per rank)
 
 Every rank holds a 1/W shard of each block (paper §4.2); kiln runs once per async-TP chunk count N
-(N=1 is plain TP), PyTorch runs nanoGPT-style blocks under parallelize_module with
-ColwiseParallel/RowwiseParallel (--torch-async: torch.compile with inductor's micro-pipeline TP,
-PyTorch's async TP). Same initial weights, same batches, AdamW, fp32 or bf16. Reports tokens/s
-(median over the steps after the first 3), peak memory per rank and the largest per-step loss
-difference from PyTorch. Rank 0 writes benchmarks/results/tp-<date>.json. At W=1 on one GPU it
-exercises the NCCL code paths; --device cpu runs the same at W=1 over MPI/gloo for a smoke test.
+(N=1 is plain TP). PyTorch runs the same nanoGPT-style GPT under parallelize_module, every
+parameter a DTensor: the blocks' Linears ColwiseParallel/RowwiseParallel, the embedding and the
+tied head split over the vocabulary with loss_parallel (as kiln's), LayerNorms and position
+embeddings replicated DTensors, so fused AdamW and clip_grad_norm_ take them all (--torch-async:
+torch.compile with inductor's micro-pipeline TP; it rewrites sequence parallelism's all-gather /
+reduce-scatter matmuls, so on these all-reduces it is torch.compile alone). Same initial weights,
+same batches, AdamW, fp32 or bf16. Reports tokens/s (median over the steps after the first 3),
+peak memory per rank and the largest per-step loss and gradient-norm differences from PyTorch
+(the norm before the clip at 1.0). Rank 0 writes
+benchmarks/results/tp/tp-<date>.json. At W=1 on one GPU it exercises the NCCL code paths; --device
+cpu runs over MPI (kiln) and gloo (PyTorch) in fp32 (tests/test_tensor_parallel.py runs it on 2 ranks).
 """
 
 from __future__ import annotations
@@ -44,12 +49,12 @@ def run_kiln(args, cfg, data, chunks):
     from kiln.optim import AdamW, gpt_param_groups
     from kiln.train import apply_precision
     dev = kiln.device(args.device)
-    world = dist.init_process_group("nccl" if dev.type == "cuda" else "mpi")
+    world = dist.get_world()
     model = GPT(cfg, generator=kiln.Generator(1234)).to(dev)
     apply_precision(model, args.precision, dev)
     run = ModelParallel(model, dist.DeviceMesh({"tp": world.size}), chunks=chunks)
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95))
-    losses, times = [], []
+    losses, norms, times = [], [], []
     for i, (x, y) in enumerate(data):
         if i == 1:
             dev.backend.end_warmup()
@@ -57,22 +62,28 @@ def run_kiln(args, cfg, data, chunks):
         opt.zero_grad()
         _, loss = model(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev))
         loss.backward()
-        run.clip_grad_norm_(1.0)
+        norms.append(opt.clip_grad_norm_(1.0, run.grad_norm()))  # fused into the step, no host sync
         opt.step()
         losses.append(loss.item())  # the host sync that ends the step
         times.append(time.perf_counter() - t0)
     peak = dev.backend.memory_stats().get("peak_allocated_bytes")
-    return losses, times, peak
+    return losses, [n.item() for n in norms], times, peak
 
 
 def run_torch(args, cfg, data, kiln_state):
+    """PyTorch's own TP of the same GPT, every parameter a DTensor (so fused AdamW and
+    clip_grad_norm_ take them all): the blocks' Linears Colwise/Rowwise, the embedding and the tied
+    head vocabulary-parallel with loss_parallel (the logits never gathered, as kiln's), LayerNorms and
+    position embeddings replicated DTensors."""
     import torch
     import torch.distributed as tdist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
+        loss_parallel,
         parallelize_module,
     )
     from torch.nn import functional as F
@@ -97,7 +108,7 @@ def run_torch(args, cfg, data, kiln_state):
             q, k, v = qkv.view(b, t, 3, h, -1).permute(2, 0, 3, 1, 4)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
             x = x + self.attn["c_proj"](y)
-            return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln_2(x))))
+            return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln_2(x)), approximate="tanh"))  # GPT-2's, kiln's
 
     class Model(nn.Module):
         def __init__(self):
@@ -110,8 +121,10 @@ def run_torch(args, cfg, data, kiln_state):
             x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in self.h:
                 x = block(x)
-            logits = F.linear(self.ln_f(x), self.wte.weight)
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+            # the tied head on the vocabulary shard: logits Shard(-1); from_local's backward is Megatron's f
+            x = DTensor.from_local(self.ln_f(x), mesh, [Replicate()], run_check=False)
+            logits = F.linear(x, self.wte.weight)
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     model = Model()
     with torch.no_grad():
@@ -128,37 +141,46 @@ def run_torch(args, cfg, data, kiln_state):
             t.copy_(torch.cat([parts[s][r] for r in range(world) for s in range(3)]))
         parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
                                          "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})  # vocabulary rows split
+    for module in [model.wpe, model.ln_f] + [m for b in model.h for m in (b.ln_1, b.ln_2)]:
+        distribute_module(module, mesh, input_fn=_replicated_input(mesh), output_fn=_local_output)  # Replicate
     fwd = torch.compile(model) if args.torch_async else model
     if args.torch_async:
         import torch._inductor.config as inductor
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
         inductor._micro_pipeline_tp = True
         enable_symm_mem_for_group(mesh.get_group().group_name)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    from torch.distributed.tensor import DTensor
-
-    def clip(max_norm):  # clip_grad_norm_ refuses a mix of DTensor and plain gradients: shards' squares summed
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        sharded = sum(g.to_local().float().pow(2).sum() for g in grads if isinstance(g, DTensor))
-        tdist.all_reduce(sharded)
-        norm = (sharded + sum(g.float().pow(2).sum() for g in grads if not isinstance(g, DTensor))).sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-    losses, times = [], []
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95), fused=True)
+    losses, norms, times = [], [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for x, y in data:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        with loss_parallel(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = fwd(torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev))
-        loss.backward()
-        clip(1.0)
+            loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True))
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
-    return losses, times, torch.cuda.max_memory_allocated() if cuda else None
+    norms = [(n.full_tensor() if isinstance(n, DTensor) else n).item() for n in norms]
+    return losses, norms, times, torch.cuda.max_memory_allocated() if cuda else None
+
+
+def _replicated_input(mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def input_fn(module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+    return input_fn
+
+
+def _local_output(module, output, device_mesh):
+    return output.to_local()
 
 
 def main(argv=None) -> int:
@@ -174,10 +196,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import kiln
-    from kiln.distributed import detect
+    from kiln.distributed import detect, init_process_group
     from kiln.nn import GPT, preset
     env = detect()
-    os.environ.setdefault("RANK", str(env.rank))
+    init_process_group("nccl" if args.device.startswith("cuda") else "mpi")  # from the launcher's own variables
+    os.environ.setdefault("RANK", str(env.rank))  # then torch's, from them
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -188,24 +211,26 @@ def main(argv=None) -> int:
     data = batches(args, cfg.vocab_size)
     state = {n: p.numpy() for n, p in GPT(cfg, generator=kiln.Generator(1234)).named_parameters()}
     rows = []
-    torch_losses, torch_times, torch_peak = run_torch(args, cfg, data, state)
+    torch_losses, torch_norms, torch_times, torch_peak = run_torch(args, cfg, data, state)
     tokens = args.batch_size * args.seq_len
     for chunks in [int(c) for c in args.chunks.split(",")]:
-        losses, times, peak = run_kiln(args, cfg, data, chunks)
+        losses, norms, times, peak = run_kiln(args, cfg, data, chunks)
         rows.append({"framework": "kiln", "chunks": chunks, "tokens_per_s": tokens / float(np.median(times[WARMUP:])),
-                     "peak_bytes": peak, "loss_diff": max(abs(a - b) for a, b in zip(losses, torch_losses))})
+                     "peak_bytes": peak, "loss_diff": max(abs(a - b) for a, b in zip(losses, torch_losses)),
+                     "grad_norm_diff": max(abs(a - b) for a, b in zip(norms, torch_norms))})
     rows.append({"framework": "torch-async" if args.torch_async else "torch", "chunks": None,
                  "tokens_per_s": tokens / float(np.median(torch_times[WARMUP:])), "peak_bytes": torch_peak,
-                 "loss_diff": 0.0})
+                 "loss_diff": 0.0, "grad_norm_diff": 0.0, "grad_norms": torch_norms})
     if env.rank == 0:
         for row in rows:
             print(f"{row['framework']:12s} N={row['chunks']!s:5s} {row['tokens_per_s']:12.0f} tok/s  "
-                  f"peak {row['peak_bytes']!s:>12s} B  loss diff {row['loss_diff']:.2e}")
+                  f"peak {row['peak_bytes']!s:>12s} B  loss diff {row['loss_diff']:.2e}  "
+                  f"grad norm diff {row['grad_norm_diff']:.2e}")
         commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         result = {"benchmark": "tp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),
                   "args": vars(args), "rows": rows}
-        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"tp-{datetime.date.today()}.json"
+        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "tp" / f"tp-{datetime.date.today()}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")

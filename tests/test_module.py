@@ -19,6 +19,17 @@ def test_gpt_parameters_names_and_init():
     assert "lm_head.weight" in dict(untied.named_parameters())
 
 
+def test_a_replaced_layer_keeps_its_place_in_the_parameter_order():
+    model = GPT(preset("tiny", n_layer=2), generator=kiln.Generator(0))
+    names = [n for n, _ in model.named_parameters()]
+    model.wte = type(model.wte)(model.wte.weight.shape[0], model.wte.weight.shape[1])  # as tensor parallelism does
+    model.h[0].attn.c_attn = Linear(128, 384)
+    model.ln_f.weight = kiln.nn.module.Parameter(kiln.ones(128))
+    assert [n for n, _ in model.named_parameters()] == names
+    model.h[1].attn.c_proj = None  # another kind: gone from the order
+    assert [n for n, _ in model.named_parameters()] == [n for n in names if not n.startswith("h.1.attn.c_proj")]
+
+
 def test_presets_match_the_paper():
     m = preset("gpt2-124m")
     assert (m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd) == (50304, 1024, 12, 12, 768)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from pathlib import Path
@@ -60,7 +61,10 @@ def _train(args) -> int:
         s = trainer.fit()
         return {"SIGINT": 130, "SIGTERM": 143}.get(s.get("interrupted"), 0)
     ranks = f" x {trainer.world_size} ranks ({cfg.parallel})" if trainer.world_size > 1 else ""
-    print(f"kiln: training {cfg.model} ({trainer.model.num_parameters() / 1e6:.2f}M parameters) on "
+    if trainer.mesh is not None:
+        ranks = f" x {trainer.world_size} ranks (dp {trainer.replicas} x tp {cfg.tp} x cp {cfg.cp}, {cfg.parallel})"
+    parameters = sum(math.prod(s) for s in trainer.model_config.parameter_shapes().values())
+    print(f"kiln: training {cfg.model} ({parameters / 1e6:.2f}M parameters) on "
           f"{trainer.device}, data {trainer.data_dir}, {cfg.max_steps} steps of "
           f"{cfg.batch_size}x{trainer.seq_len} tokens x {trainer.grad_accum} micro-steps{ranks}", flush=True)
     print(f"kiln: {trainer.describe_vocabulary()}", flush=True)
@@ -284,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--global-batch", type=int,
                    help="tokens per optimizer step; sets grad_accum = global / (batch x seq_len x ranks)")
     t.add_argument("--bucket-mb", type=float, help="ddp: gradient bucket size in MB (default 25)")
+    t.add_argument("--tp", type=int, help="tensor parallelism: each model replica's heads, MLP and vocabulary split "
+                   "over N ranks (default 1); the ranks left over train data parallel with --parallel ddp")
+    t.add_argument("--cp", type=int, help="context parallelism: each sequence split over N ranks, zigzag-balanced "
+                   "(default 1); seq_len must be a multiple of 2N")
+    t.add_argument("--cp-transport", help="how keys and values reach the other cp ranks: p2p (ring attention, "
+                   "default), all_gather or all_to_all (Ulysses: heads / tp must be a multiple of cp)")
+    t.add_argument("--tp-chunks", type=int, help="async TP: each row-parallel all-reduce in N chunks that overlap "
+                   "the next chunk's GEMM (default 1)")
     t.set_defaults(run=_train)
 
     la = sub.add_parser("launch", help="start N ranks of a command and supervise them: restart the gang "

@@ -19,6 +19,10 @@ chunks and rank r holds chunks r and 2W-1-r, so every rank does the same work; i
 positions (`sequence_positions`) go to the model with the tokens. With zigzag, a rank's own two
 chunks form a causally consistent sequence (the later chunk sees all of the earlier one), so the
 diagonal step is one causal call, and every other step is one full block.
+
+Dropout draws the masks one process draws: a rank draws the mask of the whole [B, T, C] sequence
+from its generator (in the same state on every rank: the same seed, the same draws before) and
+keeps its tokens' rows, so the streams stay aligned too; it costs W times its own tokens' draws.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import math
 from kiln.autograd import Function
 from kiln.backend import array_backend, array_module
 from kiln.errors import ConfigError, ShapeError
+from kiln.nn.layers import Dropout
+from kiln.nn.module import Module
+from kiln.ops.dropout import Dropout as DropoutOp
+from kiln.random import default_generator
 from kiln.tensor import Tensor, _device_of
 
 TRANSPORTS = ("p2p", "all_gather", "all_to_all")
@@ -284,9 +292,42 @@ class ContextParallelAttention:
         return y.transpose(1, 2).reshape(b, t, c3 // 3)
 
 
+# ---------------------------------------------------------------------- dropout
+class SequenceShardedDropout(Function):
+    """Dropout of this rank's tokens x [B, T/W, ...] with one process's mask of the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, x, p, generator, group, zigzag):
+        xp = x.backend.xp
+        whole = (x.shape[0], x.shape[1] * group.size) + x.shape[2:]
+        _, mask = x.backend.dropout_fwd(xp.ones(whole, dtype=x.data.dtype), p, generator.native)
+        ctx.mask = shard_sequence(mask, group.rank, group.size, zigzag)
+        return x.data * ctx.mask
+
+    backward = staticmethod(DropoutOp.backward)  # g * mask
+
+
+class ContextParallelDropout(Dropout):
+    """A GPT's Dropout when the sequence is sharded across group: the masks of one process."""
+
+    def __init__(self, dense: Dropout, group, zigzag: bool = True):
+        Module.__init__(self)
+        self.p, self.generator, self.group, self.zigzag = dense.p, dense.generator, group, zigzag
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        generator = self.generator if self.generator is not None else default_generator(x.device)
+        return SequenceShardedDropout.apply(x, self.p, generator, self.group, self.zigzag)
+
+
 def parallelize_context(model, group, transport: str = "p2p", zigzag: bool = True):
-    """Make every attention of a GPT attend over the sequence sharded across group (in place)."""
+    """Make every attention of a GPT attend over the sequence sharded across group, and its
+    dropouts draw one process's masks (in place)."""
     context = ContextParallelAttention(group, transport, zigzag)
+    model.drop = ContextParallelDropout(model.drop, group, zigzag)
     for block in model.h:
         block.attn.context = context
+        block.attn.resid_dropout = ContextParallelDropout(block.attn.resid_dropout, group, zigzag)
+        block.mlp.dropout = ContextParallelDropout(block.mlp.dropout, group, zigzag)
     return model

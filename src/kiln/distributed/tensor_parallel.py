@@ -13,6 +13,10 @@ computed from those slices with two small all-reduces (the row max, then the sum
 with the target's logit): the [N, V] logits are never gathered. LayerNorms and position
 embeddings are replicated: their inputs and gradients are the same on every rank.
 
+A GPT's dropouts act only on replicated activations (the embeddings' sum, the row-parallel
+outputs), so every tp rank draws one process's masks from its generator, seeded alike: the same
+stream within the tp group, as Megatron keeps it for replicated activations.
+
 Async TP (§4.2, the dual-stream all-reduce overlap): a row-parallel Linear can split its tokens
 into N chunks; chunk i's all-reduce is launched (on the communication stream, ordered after the
 chunk's GEMM by an event: kiln.distributed.nccl_engine) before chunk i+1's GEMM, so they overlap.
@@ -290,17 +294,36 @@ def shard_layout(model) -> dict:
 
 
 def dense_state_dict(model, group) -> dict:
-    """The dense model's state dict (backend arrays) from a tensor-parallel one: every shard
-    all-gathered over the tp group (collective), replicated parameters as they are."""
+    """The dense model's state dict (backend arrays) from a tensor-parallel one (collective over tp)."""
+    return gather_shards(model, group, {name: p.data for name, p in model.named_parameters()})
+
+
+def gather_shards(model, group, arrays: dict) -> dict:
+    """{name: dense array} from {name: this rank's array} of model's parameters or arrays shaped like
+    them (AdamW's moments): every shard all-gathered over the tp group (collective), the replicated
+    ones copied as they are."""
     layout = shard_layout(model)
     out = {}
-    for name, p in model.named_parameters():
+    for name, a in arrays.items():
         if name not in layout:
-            out[name] = p.data.copy()
+            out[name] = a.copy()
             continue
         axis, sections = layout[name]
-        xp = p.backend.xp
-        gathered = xp.empty((group.size,) + p.shape, dtype=p.data.dtype)
-        group.all_gather(wrap(gathered), wrap(xp.ascontiguousarray(p.data)))
+        xp = array_module(a)
+        gathered = xp.empty((group.size,) + a.shape, dtype=a.dtype)
+        group.all_gather(wrap(gathered), wrap(xp.ascontiguousarray(a)))
         out[name] = unshard(list(gathered), axis, sections)
+    return out
+
+
+def cut_shards(model, group, arrays: dict) -> dict:
+    """{name: this rank's part} of dense arrays of model's parameters (or shaped like them): the
+    inverse of gather_shards, no communication - a dense checkpoint loads into any tp layout."""
+    layout = shard_layout(model)
+    out = {}
+    for name, a in arrays.items():
+        if name in layout:
+            axis, sections = layout[name]
+            a = shard(a, axis, sections, group.rank, group.size)
+        out[name] = a
     return out

@@ -37,12 +37,17 @@ class Module:
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:
             raise KilnError(f"{type(self).__name__}.__init__ must call super().__init__() first")
-        self._parameters.pop(name, None)
-        self._modules.pop(name, None)
+        # a replacement of the same kind keeps its place: a model whose layers were swapped for their
+        # parallel forms (kiln.distributed) lists its parameters in the dense model's order
         if isinstance(value, Parameter):
+            self._modules.pop(name, None)
             self._parameters[name] = value
         elif isinstance(value, Module):
+            self._parameters.pop(name, None)
             self._modules[name] = value
+        else:
+            self._parameters.pop(name, None)
+            self._modules.pop(name, None)
         object.__setattr__(self, name, value)
 
     def forward(self, *args, **kwargs):  # pragma: no cover - abstract

@@ -64,17 +64,19 @@ class AdamW:
                          [p.backend.xp.zeros_like(p.data) for p in self.params])
 
     @no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm=None) -> Tensor:
         """The global L2 norm of this optimizer's gradients (a 0-d device tensor, not synced);
         the next step() clips by it, exactly as kiln.optim.clip_grad_norm_ followed by step()
         would (torch's coefficient min(1, max_norm / (norm + 1e-6))), fused into the update.
-        The gradients themselves are left unscaled."""
+        The gradients themselves are left unscaled. norm: that norm as a 0-d device array when
+        it is computed elsewhere (a tensor-parallel model's spans ranks: ModelParallel.grad_norm)."""
         if max_norm <= 0:
             raise ConfigError(f"clip_grad_norm_ needs max_norm > 0, got {max_norm}")
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             raise KilnError("clip_grad_norm_ found no gradients; call backward() first")
-        norm = grads[0].backend.grad_norm([g.data for g in grads])
+        if norm is None:
+            norm = grads[0].backend.grad_norm([g.data for g in grads])
         self._clip = (norm, float(max_norm))
         return Tensor._wrap(norm, grads[0].device)
 

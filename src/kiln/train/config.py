@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import kiln
 from kiln.backend import cuda_is_available, device as parse_device
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, NotBuiltError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 PARALLEL = ("none", "ddp", "zero1", "zero2", "fsdp")
+SHARDED = ("zero1", "zero2", "fsdp")  # parallel modes whose optimizer state lives in shards, one per rank
 
 
 @dataclass
@@ -51,6 +52,10 @@ class TrainConfig:
     parallel: str = "none"                   # ddp: data parallel over the launcher's ranks (kiln.distributed)
     global_batch: int | None = None          # tokens per optimizer step; sets grad_accum (Algorithm 1, line 1)
     bucket_mb: float = 25.0                  # ddp: gradient bucket size in MB
+    tp: int = 1                              # tensor-parallel ranks per model replica: heads, MLP, vocabulary split (§4.2)
+    cp: int = 1                              # context-parallel ranks per model replica: each sequence split (§4.3)
+    cp_transport: str = "p2p"                # how K/V reach the other cp ranks: p2p (ring), all_gather, all_to_all
+    tp_chunks: int = 1                       # async TP: each row-parallel all-reduce in N chunks, overlapping GEMMs
 
     def __post_init__(self):
         """Fill every training setting left None from the model preset's recipe (flags override it)."""
@@ -102,6 +107,16 @@ class TrainConfig:
             raise ConfigError(f"global_batch must be a positive number of tokens, got {self.global_batch!r}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
+        for name in ("tp", "cp", "tp_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        from kiln.distributed.context_parallel import TRANSPORTS
+        if self.cp_transport not in TRANSPORTS:
+            raise ConfigError(f"unknown cp_transport {self.cp_transport!r}; allowed: {', '.join(TRANSPORTS)}")
+        if self.parallel in SHARDED and self.tp * self.cp > 1:
+            raise NotBuiltError(f"parallel={self.parallel!r} with tp={self.tp}, cp={self.cp}: ZeRO and FSDP do not "
+                                "shard tensor- or context-parallel models yet; use parallel ddp (or none) with tp/cp")
 
 
 def resolve_device(name: str):
@@ -137,20 +152,46 @@ RECIPES = {  # each preset's training recipe: what TrainConfig's None settings b
 }
 
 
-def accumulation_steps(config: TrainConfig, seq_len: int, world_size: int) -> int:
-    """Micro-steps per optimizer step: global_batch / (B·T·W) (Algorithm 1, line 1), or grad_accum."""
+def mesh_sizes(config: TrainConfig, model_config, seq_len: int, world_size: int) -> dict:
+    """{"dp", "cp", "tp"}: the ranks of a run as model replicas (dp) of tp x cp ranks each; a
+    ConfigError names a layout that cannot hold this model or these ranks."""
+    tp, cp = config.tp, config.cp
+    if world_size % (tp * cp):
+        raise ConfigError(f"tp {tp} x cp {cp} = {tp * cp} ranks per model replica do not divide the {world_size} "
+                          f"ranks of this run: start a multiple of {tp * cp} ranks")
+    dp = world_size // (tp * cp)
+    if dp > 1 and config.parallel == "none":
+        raise ConfigError(f"{world_size} ranks with tp {tp} x cp {cp} hold {dp} model replicas: train them data "
+                          "parallel with --parallel ddp, or start tp x cp ranks")
+    heads, vocab = model_config.n_head, model_config.vocab_size
+    if heads % tp or vocab % tp:
+        raise ConfigError(f"tp {tp} splits the model's {heads} heads and {vocab} vocabulary rows over {tp} ranks: "
+                          f"both must be multiples of {tp} (model.n_head, model.vocab_size)")
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(f"cp {cp} cuts each sequence into 2 x {cp} chunks (the zigzag load balance): seq_len "
+                          f"{seq_len} must be a multiple of {2 * cp}")
+    if cp > 1 and config.cp_transport == "all_to_all" and (heads // tp) % cp:
+        raise ConfigError(f"cp_transport all_to_all splits each tp rank's {heads // tp} heads over cp {cp} ranks: "
+                          f"they must be a multiple of {cp}; use p2p or all_gather")
+    return {"dp": dp, "cp": cp, "tp": tp}
+
+
+def accumulation_steps(config: TrainConfig, seq_len: int, replicas: int) -> int:
+    """Micro-steps per optimizer step: global_batch / (B·T·W) (Algorithm 1, line 1), W the model
+    replicas (data-parallel ranks; tp and cp ranks share their replica's rows), or grad_accum."""
     if config.global_batch is None:
         return config.grad_accum
-    per = config.batch_size * seq_len * world_size
+    per = config.batch_size * seq_len * replicas
     if config.grad_accum != 1:
         raise ConfigError(f"give global_batch ({config.global_batch}) or grad_accum ({config.grad_accum}), "
                           "not both: global_batch sets grad_accum")
     if config.global_batch % per:
         raise ConfigError(f"global_batch {config.global_batch} tokens is not a multiple of batch_size x seq_len "
-                          f"x world size = {config.batch_size} x {seq_len} x {world_size} = {per}")
+                          f"x data-parallel ranks = {config.batch_size} x {seq_len} x {replicas} = {per}")
     return config.global_batch // per
 
 
 RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints", "parallel",
                     "batch_size",  # with another number of ranks: batch_size x ranks stays the loader's step
+                    "tp", "cp", "cp_transport", "tp_chunks",  # a tp/cp run's checkpoints are the dense model's
                     "async_checkpoint", "eval_interval", "sample_tokens")

@@ -47,18 +47,19 @@ from kiln.paths import output_folder
 from kiln.profiler.cost import gpt_flops_per_token, mfu
 from kiln.train.config import (
     RESUME_OVERRIDES,
+    SHARDED,
     TrainConfig,
     accumulation_steps,
     apply_precision,
+    mesh_sizes,
     resolve_device,
 )
 
-SHARDED = ("zero1", "zero2", "fsdp")  # parallel modes whose optimizer state lives in shards, one per rank
 
-
-def data_parallel_group(parallel: str, device):
-    """The world process group for a parallel run (NCCL on CUDA, MPI on the CPU), None for "none"."""
-    if parallel == "none":
+def world_group(config: TrainConfig, device):
+    """The world process group of a parallel run (NCCL on CUDA, MPI on the CPU); None for one
+    process (parallel "none" without tensor or context parallelism)."""
+    if config.parallel == "none" and config.tp == config.cp == 1:
         return None
     from kiln.distributed import init_process_group
     return init_process_group("nccl" if device.type == "cuda" else "mpi")
@@ -73,7 +74,7 @@ class Trainer:
         self.config = config
         output_folder(config.out_dir, "out_dir (--out)")
         self.device = resolve_device(config.device)
-        self.group = data_parallel_group(config.parallel, self.device)
+        self.group = world_group(config, self.device)
         self.rank, self.world_size = (self.group.rank, self.group.size) if self.group else (0, 1)
         data = Path(config.data) if config.data is not None else bundled_dataset()
         if not data.exists():
@@ -105,11 +106,25 @@ class Trainer:
         if self.seq_len > self.model_config.block_size:
             raise ConfigError(f"seq_len {self.seq_len} is longer than the model's context "
                               f"{self.model_config.block_size}")
-        self.grad_accum = accumulation_steps(config, self.seq_len, self.world_size)
+        # the ranks as model replicas (dp) of tp x cp ranks each, on a DeviceMesh when tp x cp > 1
+        self.mesh = None
+        self.replicas, self.replica = self.world_size, self.rank
+        if config.tp * config.cp > 1:
+            from kiln.distributed import DeviceMesh
+            sizes = mesh_sizes(config, self.model_config, self.seq_len, self.world_size)
+            self.mesh = DeviceMesh({"dp": sizes["dp"], "cp": sizes["cp"], "tp": sizes["tp"]}, self.group)
+            self.replicas, self.replica = sizes["dp"], self.mesh.coordinate["dp"]
+            from kiln.distributed.mpi_engine import REDUCIBLE, MPIEngine
+            if config.tp > 1 and config.precision == "bf16" and isinstance(self.group.engine, MPIEngine):
+                raise ConfigError(f"tp {config.tp} in bf16 sums bf16 activations over the tp ranks, which MPI cannot "
+                                  f"reduce (it reduces {', '.join(REDUCIBLE)}): on CPU ranks use precision fp32 or "
+                                  "fp64 with tp")
+        self.grad_accum = accumulation_steps(config, self.seq_len, self.replicas)
         # on cuda the loaders stage batches through pinned memory on a copy stream (Algorithm 2);
-        # rank r of W reads its own rows of each global batch (the loader's rank stride)
-        loader_args = dict(batch_size=config.batch_size, seq_len=self.seq_len, seed=config.seed,
-                           device=self.device, rank=self.rank, world_size=self.world_size, vocab_size=self.vocab_size)
+        # replica r of W reads its own rows of each global batch (the loader's rank stride); its tp and
+        # cp ranks read the same rows (each cp rank keeps its tokens: ModelParallel.sequence)
+        loader_args = dict(batch_size=config.batch_size, seq_len=self.seq_len, seed=config.seed, device=self.device,
+                           rank=self.replica, world_size=self.replicas, vocab_size=self.vocab_size)
         self.train_loader = ShardLoader(data, "train", **loader_args)
         self.val_loader = ShardLoader(data, "val", **loader_args)
         if self.vocab_size > self.model_config.vocab_size:
@@ -117,16 +132,25 @@ class Trainer:
                               f"than the model's vocab_size {self.model_config.vocab_size}")
         kiln.manual_seed(config.seed)
         self.model = GPT(self.model_config, generator=kiln.Generator(config.seed))
-        self.model.to(self.device, dtype="float64" if config.precision == "fp64" else "float32")
+        self.model.to(self.device, dtype=self.parameter_dtype)
         if pretrained is not None:
             self.model.load_state_dict(pretrained.state_dict())
         apply_precision(self.model, config.precision, self.device)
+        self.model_parallel = None  # tp x cp > 1: the model's shards on this rank (§4.2, §4.3)
+        self.dense_model = self.model  # what rank 0 writes and samples from (tp/cp: gathered at the end)
+        if self.mesh is not None:  # every rank built the same dense model (same seed) and cuts its shards
+            from kiln.distributed import ModelParallel
+            self.model_parallel = ModelParallel(self.model, self.mesh, chunks=config.tp_chunks,
+                                                transport=config.cp_transport, bucket_cap_mb=config.bucket_mb)
+            self.dense_model = None
         self.optimizer = AdamW(gpt_param_groups(self.model, config.weight_decay), lr=config.lr,
                                betas=config.betas, eps=config.eps)
         self.adamw = self.optimizer  # ZeRO/FSDP: self.optimizer becomes its sharded form
-        self.ddp = None  # the data-parallel wrapper: DDP, ZeRO-1/2 or FSDP
+        self.ddp = None  # the data-parallel wrapper: DDP, ZeRO-1/2 or FSDP, or tp/cp's DDP over dp x cp
         self.sharded = config.parallel in SHARDED
-        if self.group is not None:  # rank 0's weights everywhere, gradients averaged in buckets
+        if self.model_parallel is not None:
+            self.ddp = self.model_parallel.ddp
+        elif self.group is not None:  # rank 0's weights everywhere, gradients averaged in buckets
             from kiln.distributed import (
                 DistributedDataParallel,
                 FullyShardedDataParallel,
@@ -155,6 +179,11 @@ class Trainer:
         self._before_step = None  # (params, moments, optimizer step) before this step, for the skip policy
         self._rolled_back: set[int] = set()
 
+    @property
+    def parameter_dtype(self) -> str:
+        """The dtype of the weights (and AdamW's moments): float64 for fp64, else float32 masters."""
+        return "float64" if self.config.precision == "fp64" else "float32"
+
     def describe_vocabulary(self) -> str:
         """Where the model's vocab_size came from, in words (a preset's own size is often replaced)."""
         v, preset_v = self.model_config.vocab_size, PRESETS[self.config.model].vocab_size
@@ -173,6 +202,12 @@ class Trainer:
     def _batch(self, loader):
         x, y = loader.next_batch()  # fresh arrays on the trainer's device (kiln's stream): no copy
         return kiln.Tensor._wrap(x, self.device), kiln.Tensor._wrap(y, self.device)
+
+    def _loss(self, x, y):
+        """The model's loss on this replica's rows x, y (a cp rank's: on its tokens and positions)."""
+        if self.model_parallel is None:
+            return self.model(x, y)[1]
+        return self.model(*self.model_parallel.sequence(x, y))[1]
 
     def train_step(self, eager: bool = False) -> dict:
         """One optimizer step over grad_accum micro-batches; returns loss, lr and grad norm.
@@ -207,6 +242,7 @@ class Trainer:
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
+                and self.model_parallel is None  # tp/cp steps: their capture is not yet run on a device
                 and self.model_config.dropout == 0.0 and not self._graph_failed
                 # an injected NaN or spike acts in Python inside its step: that one step runs op by op
                 and not (self._faults is not None and self._faults.acts_inside_step(self.step + 1)))
@@ -221,7 +257,7 @@ class Trainer:
         for i, (x, y) in enumerate(zip(batches[::2], batches[1::2])):
             # DDP: accumulation micro-steps communicate nothing; the last one all-reduces (Algorithm 1)
             with self.ddp.no_sync() if self.ddp is not None and i < accum - 1 else contextlib.nullcontext():
-                _, loss = self.model(x, y)
+                loss = self._loss(x, y)
                 if scale is not None:  # an injected loss spike (kiln.launch.faults)
                     loss = loss * scale
                 (loss / accum).backward() if accum > 1 else loss.backward()
@@ -231,7 +267,11 @@ class Trainer:
         if self._faults is not None:
             self._faults.poison_gradients(self.step + 1, self.model.parameters())
         # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
-        norm = self.optimizer.clip_grad_norm_(c.grad_clip) if c.grad_clip > 0 else None
+        norm = None
+        if c.grad_clip > 0 and self.model_parallel is not None:  # the dense model's norm: tp shards' squares summed
+            norm = self.optimizer.clip_grad_norm_(c.grad_clip, self.model_parallel.grad_norm())
+        elif c.grad_clip > 0:
+            norm = self.optimizer.clip_grad_norm_(c.grad_clip)
         self.optimizer.step()
         total = total / accum if accum > 1 else total
         if self.group is not None:  # the logged loss is the global batch's
@@ -246,10 +286,10 @@ class Trainer:
         self.val_loader.reset()
         losses = []
         n = min(self.config.eval_iters, self.val_loader.batches_per_epoch)
-        self.val_tokens = n * self.val_loader.tokens_per_batch * self.world_size
+        self.val_tokens = n * self.val_loader.tokens_per_batch * self.replicas
         for _ in range(n):
             x, y = self._batch(self.val_loader)
-            losses.append(self.model(x, y)[1].item())
+            losses.append(self._loss(x, y).item())
         self.model.train()
         if self.group is None:
             return float(np.mean(losses))
@@ -259,10 +299,13 @@ class Trainer:
 
     def sample(self, prompt: str, tokens: int, seed: int | None = None) -> str:
         """Text after prompt; seed None draws from the trainer's sampling RNG (saved in checkpoints)."""
+        if self.dense_model is None:
+            raise NotBuiltError("a tensor/context-parallel run samples at the end of fit(), from the dense model "
+                                "gathered there; sampling during the run is not built")
         ids = self.tokenizer.encode(prompt) or [0]
-        out = self.model.generate(kiln.tensor([ids], device=self.device), tokens, temperature=0.8,
-                                  generator=self.sample_rng if seed is None else np.random.default_rng(seed),
-                                  vocab_limit=self.tokenizer.vocab_size)
+        out = self.dense_model.generate(kiln.tensor([ids], device=self.device), tokens, temperature=0.8,
+                                        generator=self.sample_rng if seed is None else np.random.default_rng(seed),
+                                        vocab_limit=self.tokenizer.vocab_size)
         return self.tokenizer.decode(out.numpy()[0].tolist())
 
     # ------------------------------------------------------------------ the run
@@ -283,7 +326,7 @@ class Trainer:
         if self.sharded:  # every rank writes its checkpoint shard into rank 0's run folder
             self.group.engine.exchange(str(run))
         entropy = unigram_entropy(self.train_loader.paths, self.vocab_size)
-        tokens_per_step = c.batch_size * self.seq_len * self.grad_accum * self.world_size
+        tokens_per_step = c.batch_size * self.seq_len * self.grad_accum * self.replicas
         history = logged_rows(run / METRICS, self.step) if resumed else []
         evals = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
         checkpoints, saver, saved = self._checkpointing(run)
@@ -296,7 +339,7 @@ class Trainer:
                 self._reporting_failures(), \
                 tqdm(total=c.max_steps, initial=self.step, disable=not c.progress, unit="step",
                      dynamic_ncols=True) as bar:
-            while self.step < c.max_steps and self._keep_going():
+            while self._keep_going() and self.step < c.max_steps:
                 if saver is not None:
                     saver.check()  # a failed background save is reported here, at the next step
                 t0, before = time.perf_counter(), self.step
@@ -343,7 +386,7 @@ class Trainer:
                 if self._faults is not None:
                     self._faults.after_step(self.step)
                 if c.checkpoint_interval and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
-                        and self.step < c.max_steps and self.stop_signal is None:
+                        and self.step < c.max_steps:  # not on this rank's own stop signal: ranks save alike
                     saved = self._checkpoint(checkpoints, saver)
             if saved != self.step:  # the end, or a signal: the step is done, save it
                 self._checkpoint(checkpoints, saver)
@@ -373,7 +416,8 @@ class Trainer:
         return summary
 
     def _keep_going(self) -> bool:
-        """No stop signal here (nor, with several ranks, on any rank: they stop at the same step)."""
+        """No stop signal here (nor, with several ranks, on any rank: they stop at the same step).
+        Tested before the step count, at the end too, so all ranks leave fit() on the same path."""
         if self.group is not None:
             flag = kiln.tensor([self.stop_signal or 0], dtype="int64", device=self.device)
             self.group.all_reduce(flag, "max")
@@ -384,15 +428,18 @@ class Trainer:
         """fit() on a rank other than 0: the same steps, evaluations and collectives, no files."""
         c = self.config
         val = None
-        checkpoints = saved = None
-        if self.sharded:  # the checkpoints are collective: this rank writes its shard at rank 0's steps
+        checkpoints = None
+        # ZeRO/FSDP and tp/cp checkpoints are collective: this rank writes its shard, or gathers the
+        # dense state for rank 0, at rank 0's steps
+        collective, saved = self.sharded or self.model_parallel is not None, self.step
+        if self.sharded:
             from kiln.checkpoint import CheckpointFolder
             run = Path(self.group.engine.exchange(None)[0])
-            checkpoints, saved = CheckpointFolder(run / "checkpoints", c.keep_checkpoints), self.step
+            checkpoints = CheckpointFolder(run / "checkpoints", c.keep_checkpoints)
         if self.launch is not None:
             self.launch.heartbeat(self.step, "start")
         with self._stop_on_signals(), self._reporting_failures():
-            while self.step < c.max_steps and self._keep_going():
+            while self._keep_going() and self.step < c.max_steps:
                 t0 = time.perf_counter()
                 row = self.train_step()
                 if self.launch is not None:
@@ -403,11 +450,10 @@ class Trainer:
                     val = self.evaluate()
                 if self._faults is not None:
                     self._faults.after_step(self.step)
-                if checkpoints is not None and c.checkpoint_interval and self.step < c.max_steps \
-                        and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
-                        and self.stop_signal is None:
+                if collective and c.checkpoint_interval and self.step < c.max_steps \
+                        and self.step // c.checkpoint_interval > saved // c.checkpoint_interval:
                     saved = self._checkpoint(checkpoints, None)
-            if checkpoints is not None and saved != self.step:
+            if collective and saved != self.step:
                 self._checkpoint(checkpoints, None)
         if self.stop_signal is None:
             self._gather_for_writing()
@@ -436,7 +482,8 @@ class Trainer:
         if self.launch is not None:
             self.launch.heartbeat(self.step, "checkpoint")
         step = self.save_checkpoint(checkpoints, saver)
-        if self._faults is not None:  # a sharded checkpoint's fault damages this rank's own shard file
+        if self._faults is not None and checkpoints is not None:  # a sharded checkpoint's fault damages
+            # this rank's own shard file (a tp/cp rank other than 0 writes no file)
             path = checkpoints.path_for(step)
             self._faults.after_checkpoint(step, shard_path(path, self.rank, self.world_size) if self.sharded
                                           else path, saver)
@@ -541,14 +588,22 @@ class Trainer:
         return row
 
     def save_weights(self, path: Path) -> None:
-        save_weights(path, self.model)
+        save_weights(path, self.dense_model)
 
     def _gather_for_writing(self) -> None:
-        """FSDP, on every rank at the end of a run: the full parameters, so that rank 0 alone can
-        write the weights and sample (a forward) with no collective."""
+        """On every rank at the end of a run, so that rank 0 alone can write the weights and sample
+        (a forward) with no collective: FSDP's full parameters; tp/cp's dense model (on rank 0)."""
         from kiln.distributed import FullyShardedDataParallel
         if isinstance(self.ddp, FullyShardedDataParallel):
             self.ddp.summon_full_parameters()
+        if self.model_parallel is not None:
+            state = self.model_parallel.dense_state_dict()  # collective over tp
+            if self.rank == 0:
+                dense = GPT(self.model_config, generator=kiln.Generator(self.config.seed))
+                dense.to(self.device, dtype=self.parameter_dtype)
+                dense.load_state_dict(state)
+                apply_precision(dense, self.config.precision, self.device)
+                self.dense_model = dense
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -558,15 +613,18 @@ class Trainer:
         and loss")."""
         from kiln.random import default_generator
         names = {id(p): n for n, p in self.model.named_parameters()}
-        optimizer = None  # ZeRO/FSDP: parameters and moments go to each rank's shard file
+        model = optimizer = None  # ZeRO/FSDP: parameters and moments go to each rank's shard file
         if not self.sharded:
+            model = {n: p.data for n, p in self.model.named_parameters()}
             optimizer = self.optimizer.state_dict()
             optimizer["params"] = [names[id(p)] for p in self.optimizer.params]
+        if self.model_parallel is not None:  # the dense model's state (collective over tp): loads into any layout
+            model, optimizer = self._convert_layout(self.model_parallel.gather_dense, model, optimizer)
         devices = sorted({"cpu", str(self.device)})
         return {"kind": "kiln.Trainer", "kiln": kiln.__version__, "step": self.step,
                 "epoch": self.train_loader.state_dict()["epoch"], "last_loss": self.last_loss,
                 "device": str(self.device), "precision": self.config.precision,
-                "model": None if self.sharded else {n: p.data for n, p in self.model.named_parameters()},
+                "model": model,
                 "optimizer": optimizer,
                 "loaders": {"train": self.train_loader.state_dict(), "val": self.val_loader.state_dict()},
                 "rng": {"default": {d: default_generator(d).get_state() for d in devices},
@@ -608,8 +666,11 @@ class Trainer:
                 from kiln.distributed.checkpoint import load_replicated
                 load_replicated(state["model"], state["optimizer"], self.model, self.adamw, self.ddp, self.group)
             else:
-                self.model.load_state_dict(state["model"])
-                self.optimizer.load_state_dict(state["optimizer"])
+                model, optimizer = state["model"], state["optimizer"]
+                if self.model_parallel is not None:  # this rank's shards of the dense state
+                    model, optimizer = self._convert_layout(self.model_parallel.cut_dense, model, optimizer)
+                self.model.load_state_dict(model)
+                self.optimizer.load_state_dict(optimizer)
             self.train_loader.load_state_dict(state["loaders"]["train"])
             self.val_loader.load_state_dict(state["loaders"]["val"])
         except CheckpointError:
@@ -626,6 +687,17 @@ class Trainer:
         if self.device not in restored:  # from another device type: its RNG cannot carry over
             default_generator(self.device).manual_seed(self.config.seed + self.step)
         self.sample_rng.bit_generator.state = state["rng"]["sample"]
+
+    @staticmethod
+    def _convert_layout(convert, model: dict, optimizer: dict):
+        """(model, optimizer) state with convert ({name: array} -> {name: array}: a tp layout's to
+        the dense model's or back) applied to the parameters and to AdamW's moments alike."""
+        optimizer = dict(optimizer)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if optimizer[kind] is not None:
+                converted = convert(dict(zip(optimizer["params"], optimizer[kind])))
+                optimizer[kind] = [converted[n] for n in optimizer["params"]]
+        return convert(model), optimizer
 
     @classmethod
     def from_checkpoint(cls, run_dir, report=None, **overrides) -> Trainer:
@@ -657,20 +729,24 @@ class Trainer:
         (the step waits only while its copy to host memory is queued); returns the step saved."""
         from kiln.checkpoint import save
         from kiln.checkpoint.async_save import to_host
-        path = checkpoints.path_for(self.step)
+        t0 = time.perf_counter()
         if self.sharded:  # collective: each rank writes its own shard, rank 0 the manifest
             from kiln.distributed.checkpoint import save_sharded
-            t0 = time.perf_counter()
-            result = save_sharded(path, self.model, self.adamw, self.ddp, self.group, state=to_host(self.state_dict()))
+            result = save_sharded(checkpoints.path_for(self.step), self.model, self.adamw, self.ddp, self.group,
+                                  state=to_host(self.state_dict()))
             if self.rank == 0:
                 checkpoints.commit(result)
             self.checkpoint_stalls.append(time.perf_counter() - t0)
-        elif saver is not None:
-            self.checkpoint_stalls.append(saver.save(path, self.state_dict(), on_done=checkpoints.commit))
+            return self.step
+        state = self.state_dict()  # tp/cp: the dense state, gathered on every rank (collective)
+        if self.rank != 0:  # tp/cp: rank 0 alone writes it
+            return self.step
+        path = checkpoints.path_for(self.step)
+        if saver is not None:
+            saver.save(path, state, on_done=checkpoints.commit)
         else:
-            t0 = time.perf_counter()
-            checkpoints.commit(save(path, to_host(self.state_dict())))
-            self.checkpoint_stalls.append(time.perf_counter() - t0)
+            checkpoints.commit(save(path, to_host(state)))
+        self.checkpoint_stalls.append(time.perf_counter() - t0)
         return self.step
 
     def _checkpointing(self, run: Path):
