@@ -485,6 +485,8 @@ class Trainer:
         for p, a in zip(opt.params, params):
             p.data[...] = a
             p._bump()
+            if getattr(p, "kept", None) is not None and p.kept.data is not None:
+                p.kept.refresh(p)  # a graph replay reads the bf16 copy without checking the version
         if moments is None:
             opt._moments = None
         else:
