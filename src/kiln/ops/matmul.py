@@ -102,10 +102,14 @@ class LinearGELU(Function):
     def backward(ctx, g):
         x, w = ctx.saved
         need = ctx.needs_input_grad
-        dpre = ctx.backend.gelu_bwd(g.reshape(-1, g.shape[-1]), ctx.pre)
+        g2 = g.reshape(-1, g.shape[-1])
+        if need[2]:  # the bias gradient (column sums of dpre) made in the GELU backward's pass, not its own
+            dpre, db = ctx.backend.gelu_bwd_bias(g2, ctx.pre)
+        else:
+            dpre, db = ctx.backend.gelu_bwd(g2, ctx.pre), None
         ctx.pre = None
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
-        dx, dw, db = ctx.backend.linear_bwd(dpre, x2, w, need[0], need[1], need[2])
+        dx, dw, _ = ctx.backend.linear_bwd(dpre, x2, w, need[0], need[1], False)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         return dx, dw, db
