@@ -211,6 +211,20 @@ def test_linear_fwd_bwd_match_cpu(gpu, mode, n, fin, fout, with_bias):
     assert dw2 is None and db2 is None and rel(gpu.to_numpy(dx2), rdx) <= tol
 
 
+@pytest.mark.parametrize("n,fin,fout", LINEAR_SHAPES)
+def test_linear_bwd_param_grads_in_fp32(gpu, n, fin, fout):
+    """bf16 operands over fp32 master weights: the dW GEMM writes its fp32 accumulator as dweight and dbias
+    is fp32 too (BGRADB in D's type, or the reduction), at fp32-accumulation accuracy, no bf16 rounding."""
+    rng = np.random.default_rng()
+    x, w, g = _rand(rng, (n, fin), BF16), _rand(rng, (fout, fin), BF16), _rand(rng, (n, fout), BF16)
+    dx, dw, db = gpu.linear_bwd(gpu.asarray(g), gpu.asarray(x), gpu.asarray(w), True, True, True, np.float32)
+    f = lambda a: a.astype(np.float64)  # noqa: E731
+    rdx, rdw, rdb = cpu.linear_bwd(f(g), f(x), f(w), True, True, True)
+    assert dx.dtype == BF16 and dw.dtype == np.float32 and db.dtype == np.float32
+    assert rel(gpu.to_numpy(dx), rdx) <= 1e-2
+    assert rel(gpu.to_numpy(dw), rdw) <= 1e-4 and rel(gpu.to_numpy(db), rdb) <= 1e-4  # fp32 sums of n terms
+
+
 def test_matmul_precision_rejects_unknown_modes(gpu):
     with pytest.raises(kiln.KilnError, match="allowed: fp32, tf32, bf16"):
         gpu.set_matmul_precision("fp8")

@@ -51,6 +51,9 @@ def test_gelu_bwd_bias(gpu, rng, shape, dtype):
     close(gpu, db, ref_db, dtype, factor=4.0)  # dx rounded to dtype before it is summed
     again = gpu.gelu_bwd_bias(gpu.asarray(g), gpu.asarray(x))[1]
     assert np.array_equal(gpu.to_numpy(again), gpu.to_numpy(db))
+    db32 = gpu.gelu_bwd_bias(gpu.asarray(g), gpu.asarray(x), np.float32)[1]  # an fp32 bias's gradient: not rounded
+    assert db32.dtype == np.float32
+    close(gpu, db32, f64(gpu.to_numpy(dx)).sum(axis=0), np.float32, factor=10)
 
 
 @pytest.mark.cuda

@@ -180,3 +180,29 @@ def test_a_weight_changed_in_place_is_recast_at_the_next_forward():
     model(x)
     assert not np.array_equal(w.kept.data, before)
     assert np.array_equal(w.kept.data.view(np.uint16), w.numpy().astype(w.kept.dtype.np).view(np.uint16))
+
+
+def test_bf16_step_makes_the_weight_gradients_in_fp32(monkeypatch):
+    """The ops that use a bf16 copy of an fp32 weight (linear, linear_gelu, the LayerNorms, the LM head)
+    make its gradient in fp32 themselves: the backward casts no parameter gradient, and none is rounded
+    to bf16 on its way to the fp32 weight."""
+    from kiln.backend import cpu
+    model, _ = _bf16_gpt(5)
+    idx = np.random.default_rng().integers(0, 32, (3, 8))
+    x, y = kiln.tensor(idx[:, :-1]), kiln.tensor(idx[:, 1:])
+    _, loss = model(x, y)
+    shapes = {p.shape for p in model.parameters()}
+    real_cast = cpu.cast
+    grad_casts = []
+
+    def counting_cast(a, dtype, out=None):
+        if a.shape in shapes:
+            grad_casts.append(a.shape)
+        return real_cast(a, dtype, out=out)
+
+    monkeypatch.setattr(cpu, "cast", counting_cast)
+    loss.backward()
+    assert grad_casts == []
+    assert all(p.grad.dtype is kiln.float32 for p in model.parameters())
+    w = model.h[0].mlp.c_fc.weight.grad.numpy()
+    assert not np.array_equal(w, w.astype(kiln.bfloat16.np).astype(np.float32))  # not bf16 values

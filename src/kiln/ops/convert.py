@@ -16,7 +16,16 @@ class ToDType(Function):
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.backend.cast(g, ctx.src)
+        # g already in the source dtype: the op that used the cast made it so (grad_dtype), as a new
+        # array (every op that does has fresh_grads), so passing it on keeps this class's promise
+        return g if g.dtype == ctx.src else ctx.backend.cast(g, ctx.src)
+
+
+def grad_dtype(x):
+    """The NumPy dtype x's gradient is best made in: when x is a cast of another tensor (a bf16 copy of
+    an fp32 master weight), that tensor's dtype, so the op that uses x writes its gradient in fp32 from
+    its fp32 accumulator and the cast's backward has nothing to do; else x's own dtype."""
+    return x.grad_fn.src if isinstance(x.grad_fn, ToDType) else x.dtype.np
 
 
 class KeptCopy:

@@ -256,9 +256,9 @@ class _Plan:
         _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(op_b))
         _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
              ctypes.c_uint32(EPILOGUES[epilogue]))
-        if epilogue != "default":
+        if epilogue != "default":  # the bias (or bias gradient) in D's type, cuBLASLt's default
             _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                 ctypes.c_int32(dt))
+                 ctypes.c_int32(dt_out))
         if epilogue == "gelu_aux_bias":
             _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                  ctypes.c_int64(aux_ld))
@@ -330,7 +330,7 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
     stride ldb, or with trans_b stored [n, k]; strides are in elements. `a`, `b`, `out` are
     CuPy arrays whose first element is the first matrix. Epilogues: "bias" adds bias[n];
     "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld);
-    "bgradb" writes bias[m] = sum_k op(A)[m, k] (the bias gradient of a dW GEMM).
+    "bgradb" writes bias[m] = sum_k op(A)[m, k] (the bias gradient of a dW GEMM). A bias is in out's dtype.
     `out` is A's and B's dtype, or float32 for bfloat16/float16 operands (fp32 accumulation kept
     in the output); with accumulate, out += op(A) @ op(B) in place (beta = 1: in the GEMM, in a
     fixed order, e.g. a weight gradient summed over chunks of rows).

@@ -61,19 +61,20 @@ _FINISH_THREADS = 256  # 8 warps, each adding every 8th part of 32 columns
 _MAX_PARTS = 65535     # grid.y
 
 
-def gelu_bwd_bias(grad, x):
+def gelu_bwd_bias(grad, x, dbias_dtype=None):
     """(gelu_bwd(grad, x), dbias) for x [rows, C]: dbias[c] = the sum over rows of dx[:, c] as stored (the
     bias gradient of the layer whose output x is), made in the same pass as dx: per-part fp32 sums, then
-    one small kernel adds the parts in a fixed order (deterministic)."""
+    one small kernel adds the parts in a fixed order (deterministic) and writes dbias_dtype (default x's)."""
     t = ctype(x.dtype)
-    if t is None or x.ndim != 2:
-        return cpu_fallback(cpu.gelu_bwd_bias, grad, x)
+    to = ctype(x.dtype if dbias_dtype is None else dbias_dtype)
+    if t is None or to is None or x.ndim != 2:
+        return cpu_fallback(cpu.gelu_bwd_bias, grad, x, dbias_dtype)
     cp = rt.cupy()
     x = contiguous(x)
     grad = contiguous(grad.astype(x.dtype, copy=False))
     rows, c = x.shape
     dx = cp.empty_like(x)
-    db = cp.empty((c,), dtype=x.dtype)
+    db = cp.empty((c,), dtype=x.dtype if dbias_dtype is None else dbias_dtype)
     if rows == 0 or c == 0:
         db[...] = 0
         return dx, db
@@ -85,5 +86,5 @@ def gelu_bwd_bias(grad, x):
     get_kernel("gelu.cu", f"gelu_bwd_bias_part<{t}, {'true' if vec else 'false'}>")(
         (cdiv(cdiv(c, pack if vec else 1), _PART_THREADS), parts), (_PART_THREADS,),
         (grad, x, dx, partial, i32(rows), i32(c), i32(per_part)))
-    get_kernel("gelu.cu", f"column_sum_finish<{t}>")((cdiv(c, 32),), (_FINISH_THREADS,), (partial, i32(parts), i32(c), db))
+    get_kernel("gelu.cu", f"column_sum_finish<{to}>")((cdiv(c, 32),), (_FINISH_THREADS,), (partial, i32(parts), i32(c), db))
     return dx, db

@@ -161,19 +161,25 @@ def _linear_fwd_f64(x, weight, bias):
     return y
 
 
-_no_bgradb: set = set()  # (dtype, m, n, k) where cuBLASLt offered no BGRADB algorithm
+_no_bgradb: set = set()  # (dtype, out dtype, m, n, k) where cuBLASLt offered no BGRADB algorithm
 
 
-def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
-    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias rides in the dW GEMM (BGRADB epilogue)."""
+def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None):
+    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias rides in the dW GEMM (BGRADB epilogue).
+
+    param_grad_dtype: dweight's and dbias's dtype (default grad's); float32 with bf16/fp16 operands
+    (the bf16 copy of fp32 master weights) has the GEMM write its fp32 accumulator as it is, so no
+    cast pass follows, and the gradient is not rounded to bf16 on its way to the fp32 weight."""
     cp = rt.cupy()
-    if not _gemm_dtype(*(a for a in (grad, weight, x) if a is not None)):
+    pdtype = np.dtype(grad.dtype if param_grad_dtype is None else param_grad_dtype)
+    if not _gemm_dtype(*(a for a in (grad, weight, x) if a is not None)) or not (
+            pdtype == grad.dtype or (pdtype == np.float32 and np.dtype(grad.dtype).name in ("bfloat16", "float16"))):
         if grad.dtype == np.float64:
             dx = grad @ weight if need_dx else None
-            dw = grad.T @ x if need_dw else None
-            db = grad.sum(axis=0) if need_db else None
+            dw = (grad.T @ x).astype(pdtype, copy=False) if need_dw else None
+            db = grad.sum(axis=0).astype(pdtype, copy=False) if need_db else None
             return dx, dw, db
-        return cpu_fallback(cpu.linear_bwd, grad, x, weight, need_dx, need_dw, need_db)
+        return cpu_fallback(cpu.linear_bwd, grad, x, weight, need_dx, need_dw, need_db, pdtype)
     n_rows, n_out = grad.shape
     n_in = weight.shape[1] if weight is not None else x.shape[1]
     ga, tg, ldg = as_matrix(grad)
@@ -186,9 +192,9 @@ def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
             wa, tw, ldw = as_matrix(weight)
             cublaslt.gemm(ga, wa, dx, m=n_rows, n=n_in, k=n_out, trans_a=tg, trans_b=tw, lda=ldg, ldb=ldw)
     if need_db:
-        db = cp.empty((n_out,), dtype=grad.dtype)
+        db = cp.empty((n_out,), dtype=pdtype)
     if need_dw:
-        dw = cp.empty((n_out, n_in), dtype=grad.dtype)
+        dw = cp.empty((n_out, n_in), dtype=pdtype)
         if dw.size and n_rows == 0:
             dw[...] = 0
             if db is not None:
@@ -198,7 +204,7 @@ def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
             xa, tx, ldx = as_matrix(x)
             # dW[out, in] = grad^T @ x: our A is grad^T, so its transpose flag flips.
             args = dict(m=n_out, n=n_in, k=n_rows, trans_a=not tg, trans_b=tx, lda=ldg, ldb=ldx)
-            key = (np.dtype(dw.dtype).name, n_out, n_in, n_rows)
+            key = (np.dtype(grad.dtype).name, pdtype.name, n_out, n_in, n_rows)
             if db is not None and key not in _no_bgradb:
                 try:
                     cublaslt.gemm(ga, xa, dw, bias=db, epilogue="bgradb", **args)
