@@ -86,5 +86,6 @@ def gelu_bwd_bias(grad, x, dbias_dtype=None):
     get_kernel("gelu.cu", f"gelu_bwd_bias_part<{t}, {'true' if vec else 'false'}>")(
         (cdiv(cdiv(c, pack if vec else 1), _PART_THREADS), parts), (_PART_THREADS,),
         (grad, x, dx, partial, i32(rows), i32(c), i32(per_part)))
-    get_kernel("gelu.cu", f"column_sum_finish<{to}>")((cdiv(c, 32),), (_FINISH_THREADS,), (partial, i32(parts), i32(c), db))
+    get_kernel("gelu.cu", f"column_sum_finish<{to}>")((cdiv(c, 32),), (_FINISH_THREADS,),
+                                                      (partial, i32(parts), i32(c), db, None))
     return dx, db

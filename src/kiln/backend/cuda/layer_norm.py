@@ -40,12 +40,13 @@ def _instantiations():
                 if c in LAYER_NORM_BWD_WIDTHS:
                     out += [f"layer_norm_bwd_reg<{t}, {c}>", f"add_layer_norm_bwd_reg<{t}, {c}>"]
         out += [f"layer_norm_fwd_any<{t}>", f"layer_norm_bwd_any<{t}>", f"add_layer_norm_fwd_any<{t}>",
-                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>", f"layer_norm_dwdb_finish<{t}>"]
+                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>", f"column_sum_finish<{t}>"]
     return out
 
 
 register_family("layer_norm.cu", _instantiations(), defines={"KILN_LN_WARPS": _ROWS_PER_BLOCK})
 _MAX_BWD_BLOCKS = 256
+_FINISH_THREADS = 256  # column_sum_finish: 8 warps, each adding every 8th part of 32 columns
 _constants: dict = {}
 
 
@@ -168,8 +169,8 @@ def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype
             finish_dtype = pdtype
         dw = cp.empty((c,), dtype=finish_dtype) if need_dw else None
         db = cp.empty((c,), dtype=finish_dtype) if need_db else None
-        get_kernel("layer_norm.cu", f"layer_norm_dwdb_finish<{to}>")(
-            (cdiv(c, 256),), (256,), (partial, i32(parts), i32(c), dw, db))
+        get_kernel("layer_norm.cu", f"column_sum_finish<{to}>")(
+            (cdiv(c, 32), 2), (_FINISH_THREADS,), (partial, i32(parts), i32(c), dw, db))
         if finish_dtype != pdtype:
             dw = None if dw is None else dw.astype(pdtype)
             db = None if db is None else db.astype(pdtype)

@@ -97,25 +97,3 @@ __global__ void gelu_bwd_bias_part(const T* __restrict__ g, const T* __restrict_
 #pragma unroll
     for (int j = 0; j < V; ++j) out[j] = acc[j];
 }
-
-// out[c] = sum over k < parts of partial[k][c], in a fixed order: a block takes 32 columns (one
-// per lane of a warp, so each read of a part is one coalesced 128-byte row piece) and its
-// blockDim.x / 32 warps take every (blockDim.x / 32)-th part; the warps' sums are added in warp order.
-template <typename T>
-__global__ void __launch_bounds__(1024) column_sum_finish(const float* __restrict__ partial, int parts, int C,
-                                                          T* __restrict__ out) {
-    using namespace kiln;
-    __shared__ float sums[32][33];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int c = blockIdx.x * 32 + lane;
-    float t = 0.0f;
-    if (c < C)
-        for (int k = warp; k < parts; k += warps) t += partial[(long long)k * C + c];
-    sums[warp][lane] = t;
-    __syncthreads();
-    if (warp == 0 && c < C) {
-        float s = 0.0f;
-        for (int w = 0; w < warps; ++w) s += sums[w][lane];
-        out[c] = from_float<T>(s);
-    }
-}
