@@ -6,7 +6,20 @@ from __future__ import annotations
 from kiln.backend.cpu import gelu as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
-from kiln.backend.cuda.launch import THREADS, aligned16, cdiv, contiguous, cpu_fallback, ctype, get_kernel, i32, i64
+from kiln.backend.cuda.launch import (
+    COLUMN_PART_THREADS,
+    THREADS,
+    aligned16,
+    cdiv,
+    column_parts,
+    column_sum_finish,
+    contiguous,
+    cpu_fallback,
+    ctype,
+    get_kernel,
+    i32,
+    i64,
+)
 
 register_family("gelu.cu", [f"gelu_fwd<{t}>" for t in FLOAT_CTYPES] + [f"gelu_bwd<{t}>" for t in FLOAT_CTYPES]
                 + [f"gelu_bwd_bias_part<{t}, {v}>" for t in FLOAT_CTYPES for v in ("true", "false")]
@@ -55,12 +68,6 @@ def gelu_bwd(grad, x):
 
 
 
-_ROWS_PER_PART = 32    # rows one block of gelu_bwd_bias_part sums: ~12 blocks an SM at GPT-2's [16384, 3072]
-_PART_THREADS = 128
-_FINISH_THREADS = 256  # 8 warps, each adding every 8th part of 32 columns
-_MAX_PARTS = 65535     # grid.y
-
-
 def gelu_bwd_bias(grad, x, dbias_dtype=None):
     """(gelu_bwd(grad, x), dbias) for x [rows, C]: dbias[c] = the sum over rows of dx[:, c] as stored (the
     bias gradient of the layer whose output x is), made in the same pass as dx: per-part fp32 sums, then
@@ -80,12 +87,9 @@ def gelu_bwd_bias(grad, x, dbias_dtype=None):
         return dx, db
     pack = 16 // x.dtype.itemsize
     vec = c % pack == 0 and aligned16(x, grad, dx)
-    per_part = max(_ROWS_PER_PART, cdiv(rows, _MAX_PARTS))
-    parts = cdiv(rows, per_part)
+    grid, per_part, parts = column_parts(rows, c, pack if vec else 1)
     partial = cp.empty((parts, c), dtype=cp.float32)
     get_kernel("gelu.cu", f"gelu_bwd_bias_part<{t}, {'true' if vec else 'false'}>")(
-        (cdiv(cdiv(c, pack if vec else 1), _PART_THREADS), parts), (_PART_THREADS,),
-        (grad, x, dx, partial, i32(rows), i32(c), i32(per_part)))
-    get_kernel("gelu.cu", f"column_sum_finish<{to}>")((cdiv(c, 32),), (_FINISH_THREADS,),
-                                                      (partial, i32(parts), i32(c), db, None))
+        grid, (COLUMN_PART_THREADS,), (grad, x, dx, partial, i32(rows), i32(c), i32(per_part)))
+    column_sum_finish("gelu.cu", partial, parts, c, (db,))
     return dx, db

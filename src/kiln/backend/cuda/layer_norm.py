@@ -14,7 +14,17 @@ from __future__ import annotations
 from kiln.backend.cpu import layer_norm as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
-from kiln.backend.cuda.launch import aligned16, cdiv, contiguous, cpu_fallback, ctype, f32, get_kernel, i32
+from kiln.backend.cuda.launch import (
+    aligned16,
+    cdiv,
+    column_sum_finish,
+    contiguous,
+    cpu_fallback,
+    ctype,
+    f32,
+    get_kernel,
+    i32,
+)
 
 _ROWS_PER_BLOCK = 8  # one warp per row, 8 warps per block (kLnWarps in layer_norm.cu)
 # LayerNorm widths compiled with the row held in registers; others take the generic kernel.
@@ -46,7 +56,6 @@ def _instantiations():
 
 register_family("layer_norm.cu", _instantiations(), defines={"KILN_LN_WARPS": _ROWS_PER_BLOCK})
 _MAX_BWD_BLOCKS = 256
-_FINISH_THREADS = 256  # column_sum_finish: 8 warps, each adding every 8th part of 32 columns
 _constants: dict = {}
 
 
@@ -162,15 +171,12 @@ def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype
     dw = db = None
     if need_dw or need_db:
         pdtype = param_grad_dtype if param_grad_dtype is not None else x.dtype if weight is None else weight.dtype
-        to = ctype(pdtype)
-        if to is None:  # finish in x's dtype, then convert (float64 weights over float32 activations)
-            to, finish_dtype = t, x.dtype
-        else:  # the sums are fp32: the finish writes the parameters' dtype directly
-            finish_dtype = pdtype
+        # the sums are fp32: the finish writes the parameters' dtype directly, or x's and converts
+        # (float64 weights over float32 activations)
+        finish_dtype = pdtype if ctype(pdtype) is not None else x.dtype
         dw = cp.empty((c,), dtype=finish_dtype) if need_dw else None
         db = cp.empty((c,), dtype=finish_dtype) if need_db else None
-        get_kernel("layer_norm.cu", f"column_sum_finish<{to}>")(
-            (cdiv(c, 32), 2), (_FINISH_THREADS,), (partial, i32(parts), i32(c), dw, db))
+        column_sum_finish("layer_norm.cu", partial, parts, c, (dw, db))
         if finish_dtype != pdtype:
             dw = None if dw is None else dw.astype(pdtype)
             db = None if db is None else db.astype(pdtype)

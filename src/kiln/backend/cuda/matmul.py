@@ -14,7 +14,22 @@ import numpy as np
 
 from kiln.backend.cpu import matmul as cpu
 from kiln.backend.cuda import cublaslt, device as rt
-from kiln.backend.cuda.launch import cpu_fallback
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import (
+    COLUMN_PART_THREADS,
+    aligned16,
+    column_parts,
+    column_sum_finish,
+    contiguous,
+    cpu_fallback,
+    ctype,
+    get_kernel,
+    i32,
+)
+
+# The GEMMs are cuBLASLt's; matmul.cu holds the bias gradient's column sums.
+register_family("matmul.cu", [f"column_sum_part<{t}, {v}>" for t in FLOAT_CTYPES for v in ("true", "false")]
+                + [f"column_sum_finish<{t}>" for t in FLOAT_CTYPES])
 
 
 def _gemm_dtype(*arrays) -> bool:
@@ -161,11 +176,8 @@ def _linear_fwd_f64(x, weight, bias):
     return y
 
 
-_no_bgradb: set = set()  # (dtype, out dtype, m, n, k) where cuBLASLt offered no BGRADB algorithm
-
-
 def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None):
-    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias rides in the dW GEMM (BGRADB epilogue).
+    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias is kiln's column sum of grad (_bias_grad).
 
     param_grad_dtype: dweight's and dbias's dtype (default grad's); float32 with bf16/fp16 operands
     (the bf16 copy of fp32 master weights) has the GEMM write its fp32 accumulator as it is, so no
@@ -204,14 +216,27 @@ def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None
             xa, tx, ldx = as_matrix(x)
             # dW[out, in] = grad^T @ x: our A is grad^T, so its transpose flag flips.
             args = dict(m=n_out, n=n_in, k=n_rows, trans_a=not tg, trans_b=tx, lda=ldg, ldb=ldx)
-            key = (np.dtype(grad.dtype).name, pdtype.name, n_out, n_in, n_rows)
-            if db is not None and key not in _no_bgradb:
-                try:
-                    cublaslt.gemm(ga, xa, dw, bias=db, epilogue="bgradb", **args)
-                    return dx, dw, db
-                except cublaslt.CublasError:
-                    _no_bgradb.add(key)  # fall through: plain GEMM and a separate reduction
             cublaslt.gemm(ga, xa, dw, **args)
-    if db is not None:
-        db[...] = grad.astype(cp.float32).sum(axis=0).astype(db.dtype)
+    if db is not None and db.size:
+        _bias_grad(grad, db)
     return dx, dw, db
+
+
+def _bias_grad(grad, db) -> None:
+    """db[c] = the sum over rows of grad[:, c] (db may be fp32 over bf16 grad): one read of grad, per-part
+    fp32 sums and a fixed-order finish (matmul.cu). cuBLASLt's BGRADB epilogue, used until 2026-12-04,
+    ran as a kernel of its own too (globalKernelBgradAB, ~2.2 TB/s in the GPT-2 profile), and offers no
+    algorithm for some dtype pairs."""
+    t = ctype(grad.dtype)
+    if t is None or ctype(db.dtype) is None:
+        db[...] = grad.astype(np.float64).sum(axis=0).astype(db.dtype)
+        return
+    grad = contiguous(grad)
+    rows, c = grad.shape
+    pack = 16 // grad.dtype.itemsize
+    vec = c % pack == 0 and aligned16(grad)
+    grid, per_part, parts = column_parts(rows, c, pack if vec else 1)
+    partial = rt.cupy().empty((parts, c), dtype=np.float32)
+    get_kernel("matmul.cu", f"column_sum_part<{t}, {'true' if vec else 'false'}>")(
+        grid, (COLUMN_PART_THREADS,), (grad, partial, i32(rows), i32(c), i32(per_part)))
+    column_sum_finish("matmul.cu", partial, parts, c, (db,))
