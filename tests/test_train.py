@@ -122,3 +122,20 @@ def test_a_step_that_cannot_be_captured_warns_once_and_runs_op_by_op(tmp_path, m
     assert len(recorded) == 1 and len(said) == 1
     assert "continuing op by op" in said[0] and "cudaErrorStreamCaptureUnsupported" in said[0]
     assert losses == plain_losses
+
+
+def test_undoing_a_step_recasts_the_kept_bf16_weight_copies(tmp_path):
+    """The skip policy restores the parameters in place; a graph replay reads the bf16 copies without checking
+    versions, so the Trainer recasts them there and then (not at the next forward)."""
+    t = Trainer(TrainConfig(model="tiny", device="cpu", precision="bf16", max_steps=4, batch_size=2, eval_interval=4,
+                            eval_iters=1, sample_tokens=0, progress=False, out_dir=str(tmp_path),
+                            model_overrides={"n_layer": 1}))
+    t.train_step()
+    before = t._update_state_copy()
+    t.train_step()
+    t._restore_update_state(before)
+    kept = [p for p in t.model.parameters() if p.kept is not None]
+    assert kept
+    for p in kept:
+        assert p.kept.version == p.version
+        assert np.array_equal(p.kept.data.view(np.uint16), p.numpy().astype(p.kept.dtype.np).view(np.uint16))

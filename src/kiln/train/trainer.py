@@ -190,6 +190,7 @@ class Trainer:
         loss = None
         if not eager and self._use_graph():
             if self._graph_step is None:
+                self._refresh_kept_copies()  # refreshed inside the capture, a copy would be recast every replay
                 self._graph_step = CapturedStep(self._step_body)
             try:
                 loss, norm = self._graph_step(*batches)
@@ -203,6 +204,14 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": self.last_loss, "lr": lr,
                 "grad_norm": None if norm is None else norm.item()}
+
+    def _refresh_kept_copies(self) -> None:
+        """Recast now every kept compute-dtype copy whose parameter changed since (a restored or loaded
+        state): a graph replay reads the copies without checking versions (AdamW keeps them current)."""
+        for p in self.model.parameters():
+            kept = p.kept
+            if kept is not None and kept.data is not None and kept.version != p._version[0]:
+                kept.refresh(p)
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
@@ -485,8 +494,7 @@ class Trainer:
         for p, a in zip(opt.params, params):
             p.data[...] = a
             p._bump()
-            if getattr(p, "kept", None) is not None and p.kept.data is not None:
-                p.kept.refresh(p)  # a graph replay reads the bf16 copy without checking the version
+        self._refresh_kept_copies()
         if moments is None:
             opt._moments = None
         else:
