@@ -190,7 +190,7 @@ class Trainer:
         loss = None
         if not eager and self._use_graph():
             if self._graph_step is None:
-                self._refresh_kept_copies()  # refreshed inside the capture, a copy would be recast every replay
+                self._refresh_kept_copies()
                 self._graph_step = CapturedStep(self._step_body)
             try:
                 loss, norm = self._graph_step(*batches)
@@ -206,12 +206,16 @@ class Trainer:
                 "grad_norm": None if norm is None else norm.item()}
 
     def _refresh_kept_copies(self) -> None:
-        """Recast now every kept compute-dtype copy whose parameter changed since (a restored or loaded
-        state): a graph replay reads the copies without checking versions (AdamW keeps them current)."""
+        """Make, or recast when its parameter changed since (a restored or loaded state), every parameter's
+        kept compute-dtype copy, now: a graph replay reads the copies without checking versions (AdamW
+        keeps them current), and a copy made or recast inside the capture would be recast at every replay
+        (a resumed run captures its first step). Sharded runs are not captured; FSDP keeps no copies."""
+        dtype = self.model.compute_dtype
+        if dtype is None or self.sharded:
+            return
         for p in self.model.parameters():
-            kept = p.kept
-            if kept is not None and kept.data is not None and kept.version != p._version[0]:
-                kept.refresh(p)
+            if p.dtype is not dtype:
+                p.kept_copy(dtype).read(p)
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
