@@ -186,3 +186,60 @@ def test_a_host_written_buffer_allocated_during_a_capture_is_no_recycled_tempora
     assert after in pool.blocks       # capturing resumes after the block
     a.free(hyper)
     assert hyper in a._free[(0, 512)]  # back to the eager cache, not the graph's pool
+
+
+class FakeStream:
+    """kiln's stream as graph.capture uses it: CUDA refuses a device sync and cudaFree while it captures."""
+
+    def __init__(self):
+        self.capturing = False
+
+    def synchronize(self):
+        assert not self.capturing
+
+    def begin_capture(self):
+        self.capturing = True
+
+    def end_capture(self):
+        self.capturing = False
+        return type("FakeGraph", (), {"upload": lambda self, stream: None})()
+
+    def refused_while_capturing(self, fn):
+        def call(*args):
+            if self.capturing:
+                raise RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing")
+            return fn(*args)
+        return call
+
+
+def _full_of_cached_blocks(stream):
+    """An allocator whose device is full of cached blocks of a size the captured step does not ask for."""
+    drv = FakeDriver(capacity=3 * 4096)
+    a = CachingAllocator(drv.malloc, stream.refused_while_capturing(drv.free), rounding=Rounding(4096, 4096),
+                         record=False, driver_sync=stream.refused_while_capturing(lambda: None))
+    for p in [a.malloc(4096) for _ in range(3)]:
+        a.free(p)
+    return a, drv
+
+
+def test_out_of_memory_while_capturing_raises_without_touching_the_driver():
+    stream = FakeStream()
+    a, drv = _full_of_cached_blocks(stream)
+    stream.begin_capture()
+    with a.capture_into(GraphPool()):
+        with pytest.raises(OutOfMemoryError, match="while a CUDA graph was captured"):
+            a.malloc(8192)
+    assert drv.used == 3 * 4096 and a.memory_stats()["num_ooms"] == 1  # the cache is still there
+
+
+def test_a_capture_starts_from_an_empty_cache_so_a_full_device_still_captures(monkeypatch):
+    """The 76-layer fp32 step's failure (cudaErrorStreamCaptureUnsupported): its capture needed a size the
+    eager cache lacked on a full device, and giving the cache back inside the capture is refused.
+    graph.capture returns the cache before it records, so the capture's blocks are new cudaMallocs."""
+    from kiln.backend.cuda import allocator, device, graph
+    stream = FakeStream()
+    a, drv = _full_of_cached_blocks(stream)
+    monkeypatch.setattr(allocator, "_installed", a)
+    monkeypatch.setattr(device, "stream", lambda: stream)
+    captured = graph.capture(lambda: a.malloc(8192))
+    assert captured.result in captured.pool.blocks and drv.used == 8192

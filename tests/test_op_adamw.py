@@ -40,6 +40,34 @@ def test_adamw_step_matches_cpu_over_steps(gpu, rng, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("copy_dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
+def test_adamw_step_writes_the_kept_copies(gpu, rng, copy_dtype):
+    """fp32 master weights with compute-dtype copies: the kernel writes each copy as the cast of its updated
+    parameter (bit for bit, round to nearest even) and updates the rest as the CPU reference; a parameter
+    without a copy in the same call is updated alone (its copy pointer is 0)."""
+    params = [rand(s, np.float32, rng) for s in ADAM_SIZES]
+    wds = [0.1 if len(s) > 1 else 0.0 for s in ADAM_SIZES]
+    ref_p = [f64(p) for p in params]
+    ref_m = [np.zeros_like(p) for p in ref_p]
+    ref_v = [np.zeros_like(p) for p in ref_p]
+    dp = [gpu.asarray(p) for p in params]
+    dm = [gpu.zeros(p.shape, np.float32) for p in params]
+    dv = [gpu.zeros(p.shape, np.float32) for p in params]
+    dc = [None if i == 2 else gpu.asarray(rand(s, copy_dtype, rng)) for i, s in enumerate(ADAM_SIZES)]
+    untouched = gpu.to_numpy(dp[2]).copy()
+    for step in range(1, 3):
+        grads = [rand(s, np.float32, rng) for s in ADAM_SIZES]
+        cpu.adamw_step(ref_p, [f64(g) for g in grads], ref_m, ref_v, wds, 1e-2, 0.9, 0.95, 1e-8, step)
+        gpu.adamw_step(dp, [gpu.asarray(g) for g in grads], dm, dv, wds, 1e-2, 0.9, 0.95, 1e-8, step, copies=dc)
+    for p, rp, c in zip(dp, ref_p, dc):
+        close(gpu, p, rp, np.float32)
+        if c is not None:
+            assert np.array_equal(gpu.to_numpy(c).view(np.uint16),
+                                  gpu.to_numpy(p).astype(copy_dtype).view(np.uint16))
+    assert not np.array_equal(gpu.to_numpy(dp[2]), untouched)
+
+
+@pytest.mark.cuda
 def test_adamw_step_on_views_of_one_flat_buffer(gpu, rng):
     sizes = [5, 1000, 3, 4096]
     flat = rand((sum(sizes),), np.float32, rng)

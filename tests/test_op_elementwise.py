@@ -103,6 +103,9 @@ def test_add_and_cast_match_numpy(gpu, rng, n, dtype):
         if np.dtype(to) != np.dtype(dtype):
             ref = a.astype(np.float32).astype(to)  # round to nearest even, as astype does
             assert np.array_equal(gpu.to_numpy(gpu.cast(gpu.asarray(a), to)), ref, equal_nan=True)
+            out = gpu.asarray(rand((n,), to, rng))
+            assert gpu.cast(gpu.asarray(a), to, out=out) is out  # into a kept buffer (KeptCopy.refresh)
+            assert np.array_equal(gpu.to_numpy(out), ref, equal_nan=True)
 
 
 @pytest.mark.cuda

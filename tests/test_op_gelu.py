@@ -36,6 +36,27 @@ def test_gelu(gpu, rng, shape, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(1, 8), (3, 1001), (33, 768), (300, 3072),
+                                   pytest.param((16384, 3072), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gelu_bwd_bias(gpu, rng, shape, dtype):
+    """The GELU backward with the bias gradient in its pass: dx as gelu_bwd's, bit for bit; dbias the column
+    sums of that dx (against float64 sums of it), the same bits on a second call (fixed-order sums)."""
+    x, g = rand(shape, dtype, rng), rand(shape, dtype, rng)
+    dx, db = gpu.gelu_bwd_bias(gpu.asarray(g), gpu.asarray(x))
+    assert np.array_equal(gpu.to_numpy(dx), gpu.to_numpy(gpu.gelu_bwd(gpu.asarray(g), gpu.asarray(x))))
+    close(gpu, db, f64(gpu.to_numpy(dx)).sum(axis=0), dtype)
+    ref_dx, ref_db = cpu.gelu_bwd_bias(f64(g), f64(x))
+    close(gpu, dx, ref_dx, dtype)
+    close(gpu, db, ref_db, dtype, factor=4.0)  # dx rounded to dtype before it is summed
+    again = gpu.gelu_bwd_bias(gpu.asarray(g), gpu.asarray(x))[1]
+    assert np.array_equal(gpu.to_numpy(again), gpu.to_numpy(db))
+    db32 = gpu.gelu_bwd_bias(gpu.asarray(g), gpu.asarray(x), np.float32)[1]  # an fp32 bias's gradient: not rounded
+    assert db32.dtype == np.float32
+    close(gpu, db32, f64(gpu.to_numpy(dx)).sum(axis=0), np.float32, factor=10)
+
+
+@pytest.mark.cuda
 def test_gelu_unaligned_view(gpu, rng):
     x = rand((1027,), np.float32, rng)
     xd = gpu.asarray(x)[1:]  # 4 bytes past a 16-byte boundary: the scalar path

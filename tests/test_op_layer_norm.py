@@ -11,7 +11,7 @@ import kiln
 from kiln.backend import cpu
 from kiln.errors import DTypeError, ShapeError
 from kiln.nn import functional as F
-from tests.conftest import DTYPE_IDS, DTYPES, close, f64, rand, rel
+from tests.conftest import BF16, DTYPE_IDS, DTYPES, close, f64, rand, rel
 from tests.gradcheck import gradcheck, randn
 
 
@@ -226,3 +226,26 @@ def test_add_layer_norm_backward_is_deterministic(gpu, rng):
     again = [gpu.to_numpy(a) for a in gpu.add_layer_norm_bwd(gsd, ghd, s, wd, mean, rstd, True, True)]
     for a, b in zip(first, again):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("add", [False, True], ids=["layer_norm", "add_layer_norm"])
+def test_layer_norm_param_grads_in_fp32(gpu, rng, dtype, add):
+    """A bf16 copy of fp32 LayerNorm parameters: dweight and dbias come out of the finish kernel in fp32
+    (no bf16 rounding, no cast after), against the float64 reference at fp32's tolerance."""
+    n, c = 3000, 768
+    x, g = rand((n, c), dtype, rng, 2.0), rand((n, c), dtype, rng)
+    w, b = rand((c,), dtype, rng), rand((c,), dtype, rng)
+    xd, gd, wd, bd = gpu.asarray(x), gpu.asarray(g), gpu.asarray(w), gpu.asarray(b)
+    if add:
+        _, _, mean, rstd = gpu.add_layer_norm_fwd(xd, gpu.zeros((n, c), dtype), wd, bd, 1e-5)
+        _, dw, db = gpu.add_layer_norm_bwd(None, gd, xd, wd, mean, rstd, True, True, np.float32)
+    else:
+        _, mean, rstd = gpu.layer_norm_fwd(xd, wd, bd, 1e-5)
+        _, dw, db = gpu.layer_norm_bwd(gd, xd, wd, mean, rstd, True, True, np.float32)
+    _, rdw, rdb = cpu.layer_norm_bwd(f64(g), f64(x), f64(w), f64(gpu.to_numpy(mean)), f64(gpu.to_numpy(rstd)),
+                                     True, True)
+    assert dw.dtype == np.float32 and db.dtype == np.float32
+    close(gpu, dw, rdw, np.float32, factor=10)
+    close(gpu, db, rdb, np.float32, factor=10)

@@ -120,3 +120,89 @@ def test_cuda_adamw_block_starts_cut_each_tensor_into_whole_chunks():
     from kiln.backend.cuda.adamw import CHUNK, block_starts
     starts = block_starts([1, CHUNK, CHUNK + 1, 3 * CHUNK])
     assert starts.tolist() == [0, 1, 2, 4, 7]
+
+
+def _bf16_gpt(seed):
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), generator=kiln.Generator(seed))
+    model.compute_dtype = kiln.bfloat16
+    return model, AdamW(gpt_param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))
+
+
+def test_bf16_step_reads_the_weight_copies_adamw_writes(monkeypatch):
+    """A bf16 step over fp32 weights casts each weight once (the first forward); from then on AdamW writes
+    the bf16 copy with its update and the forward reads it: the same losses, bit for bit, as a model whose
+    copies are dropped after every step (each forward casting afresh), and no weight cast in the forward."""
+    from kiln.backend import cpu
+    rng = np.random.default_rng()
+    batches = [rng.integers(0, 32, (3, 8)) for _ in range(4)]
+    kept, kept_opt = _bf16_gpt(7)
+    fresh, fresh_opt = _bf16_gpt(7)
+    real_cast = cpu.cast
+    weight_casts = []
+
+    def counting_cast(x, dtype, out=None):
+        if any(x is p.data for p in kept.parameters()):
+            weight_casts.append(x.shape)
+        return real_cast(x, dtype, out=out)
+
+    monkeypatch.setattr(cpu, "cast", counting_cast)
+    losses = {id(kept): [], id(fresh): []}
+    for i, idx in enumerate(batches):
+        x, y = kiln.tensor(idx[:, :-1]), kiln.tensor(idx[:, 1:])
+        for model, opt in ((kept, kept_opt), (fresh, fresh_opt)):
+            opt.zero_grad()
+            _, loss = model(x, y)
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            losses[id(model)].append(loss.item())
+        for p in fresh.parameters():
+            p.kept = None
+        if i == 0:
+            assert weight_casts, "the first forward casts the weights into their copies"
+            weight_casts.clear()
+    assert weight_casts == []
+    assert losses[id(kept)] == losses[id(fresh)]
+    copies = [p for p in kept.parameters() if p.kept is not None]
+    assert len(copies) == len(list(kept.parameters())) - 1  # every weight but wpe (an fp32 embedding)
+    for p in copies:
+        assert np.array_equal(p.kept.data.view(np.uint16), p.numpy().astype(p.kept.dtype.np).view(np.uint16))
+
+
+def test_a_weight_changed_in_place_is_recast_at_the_next_forward():
+    model, _ = _bf16_gpt(3)
+    x = kiln.tensor(np.arange(7)[None] % 32)
+    model(x)
+    w = model.h[0].attn.c_attn.weight
+    before = w.kept.data.copy()
+    with kiln.no_grad():
+        w.copy_(w.numpy() * 2.0)
+    model(x)
+    assert not np.array_equal(w.kept.data, before)
+    assert np.array_equal(w.kept.data.view(np.uint16), w.numpy().astype(w.kept.dtype.np).view(np.uint16))
+
+
+def test_bf16_step_makes_the_weight_gradients_in_fp32(monkeypatch):
+    """The ops that use a bf16 copy of an fp32 weight (linear, linear_gelu, the LayerNorms, the LM head)
+    make its gradient in fp32 themselves: the backward casts no parameter gradient, and none is rounded
+    to bf16 on its way to the fp32 weight."""
+    from kiln.backend import cpu
+    model, _ = _bf16_gpt(5)
+    idx = np.random.default_rng().integers(0, 32, (3, 8))
+    x, y = kiln.tensor(idx[:, :-1]), kiln.tensor(idx[:, 1:])
+    _, loss = model(x, y)
+    shapes = {p.shape for p in model.parameters()}
+    real_cast = cpu.cast
+    grad_casts = []
+
+    def counting_cast(a, dtype, out=None):
+        if a.shape in shapes:
+            grad_casts.append(a.shape)
+        return real_cast(a, dtype, out=out)
+
+    monkeypatch.setattr(cpu, "cast", counting_cast)
+    loss.backward()
+    assert grad_casts == []
+    assert all(p.grad.dtype is kiln.float32 for p in model.parameters())
+    w = model.h[0].mlp.c_fc.weight.grad.numpy()
+    assert not np.array_equal(w, w.astype(kiln.bfloat16.np).astype(np.float32))  # not bf16 values

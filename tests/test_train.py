@@ -87,3 +87,55 @@ def test_cuda_graph_flag_reaches_the_config_and_a_cpu_run_is_unchanged(tmp_path)
     plain = Trainer(TrainConfig(**common, run_name="plain", cuda_graph=False)).fit()
     graph = Trainer(TrainConfig(**common, run_name="graph")).fit()  # graphs are CUDA-only
     assert graph["final_train_loss"] == plain["final_train_loss"]
+
+
+def test_a_step_that_cannot_be_captured_warns_once_and_runs_op_by_op(tmp_path, monkeypatch):
+    """Where recording the step as a CUDA graph fails (here: a capture that raises, as the 76-layer fp32
+    step did), the Trainer says why once and trains op by op from then on: the same losses as without
+    the graph."""
+    import warnings
+
+    from kiln.backend import cpu
+    from kiln.graph import GraphCaptureError
+    from kiln.train import trainer as trainer_module
+    recorded = []
+
+    class Uncapturable:
+        def __init__(self, fn):
+            recorded.append(fn)
+
+        def __call__(self, *inputs):
+            raise GraphCaptureError("recording the step as a CUDA graph failed: CUDARuntimeError: "
+                                    "cudaErrorStreamCaptureUnsupported")
+
+    common = dict(model="tiny", device="cpu", max_steps=6, batch_size=2, eval_interval=6, eval_iters=1,
+                  sample_tokens=0, progress=False, out_dir=str(tmp_path), model_overrides={"n_layer": 1})
+    plain = Trainer(TrainConfig(**common, run_name="plain", cuda_graph=False))
+    plain_losses = [plain.train_step()["loss"] for _ in range(6)]
+    monkeypatch.setattr(trainer_module, "CapturedStep", Uncapturable)
+    monkeypatch.setattr(cpu, "captures_graphs", True)  # as a CUDA device: the Trainer tries the graph
+    graphed = Trainer(TrainConfig(**common, run_name="graph"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [graphed.train_step()["loss"] for _ in range(6)]
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(recorded) == 1 and len(said) == 1
+    assert "continuing op by op" in said[0] and "cudaErrorStreamCaptureUnsupported" in said[0]
+    assert losses == plain_losses
+
+
+def test_undoing_a_step_recasts_the_kept_bf16_weight_copies(tmp_path):
+    """The skip policy restores the parameters in place; a graph replay reads the bf16 copies without checking
+    versions, so the Trainer recasts them there and then (not at the next forward)."""
+    t = Trainer(TrainConfig(model="tiny", device="cpu", precision="bf16", max_steps=4, batch_size=2, eval_interval=4,
+                            eval_iters=1, sample_tokens=0, progress=False, out_dir=str(tmp_path),
+                            model_overrides={"n_layer": 1}))
+    t.train_step()
+    before = t._update_state_copy()
+    t.train_step()
+    t._restore_update_state(before)
+    kept = [p for p in t.model.parameters() if p.kept is not None]
+    assert kept
+    for p in kept:
+        assert p.kept.version == p.version
+        assert np.array_equal(p.kept.data.view(np.uint16), p.numpy().astype(p.kept.dtype.np).view(np.uint16))

@@ -14,7 +14,7 @@ KERNELS = (
     "matmul", "linear_fwd", "linear_bwd", "linear_gelu_fwd",                   # matmul
     "embedding_fwd", "embedding_bwd",                                          # embedding
     "layer_norm_fwd", "layer_norm_bwd", "add_layer_norm_fwd", "add_layer_norm_bwd",  # layer_norm
-    "gelu_fwd", "gelu_bwd",                                                    # gelu
+    "gelu_fwd", "gelu_bwd", "gelu_bwd_bias",                                   # gelu
     "softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_bwd",        # softmax
     "cross_entropy_fwd", "cross_entropy_bwd",                                  # cross_entropy
     "lm_head_xent_fwd", "lm_head_xent_bwd",                                    # lm_head

@@ -172,6 +172,7 @@ class FullyShardedDataParallel:
         for p in u.params:
             xp = p.backend.xp
             p.data = xp.broadcast_to(xp.zeros((), p.dtype.np), p.shape)
+            p.kept = None  # a compute-dtype copy kept across steps would hold the whole parameter again
         u.gathers, u.gathered = None, False
 
     def _pack(self, t):

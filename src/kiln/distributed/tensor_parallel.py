@@ -31,6 +31,7 @@ from kiln.errors import ConfigError, ShapeError
 from kiln.nn import functional as F
 from kiln.nn.layers import Embedding, Linear, as_dtype_of
 from kiln.nn.module import Module, Parameter
+from kiln.ops.convert import grad_dtype
 from kiln.ops.matmul import Linear as LinearOp
 from kiln.tensor import Tensor, _device_of
 
@@ -94,7 +95,7 @@ class ChunkedRowParallel(Function):
     @staticmethod
     def forward(ctx, x, weight, group, chunks):
         backend = x.backend
-        ctx.backend, ctx.x_shape, ctx.has_bias = backend, x.shape, False
+        ctx.backend, ctx.x_shape, ctx.has_bias, ctx.param_grad_dtype = backend, x.shape, False, grad_dtype(weight)
         nx, nw = ctx.needs_input_grad
         ctx.save_for_backward(x if nw else None, weight if nx else None)
         x2 = x.data.reshape(-1, x.shape[-1])

@@ -1,6 +1,7 @@
 """The differentiable functions in one namespace (as torch.nn.functional)."""
 
 from kiln.ops.attention import causal_self_attention, scaled_dot_product_attention
+from kiln.ops.convert import to_kept_dtype
 from kiln.ops.cross_entropy import cross_entropy
 from kiln.ops.dropout import dropout
 from kiln.ops.elementwise import where
@@ -11,5 +12,5 @@ from kiln.ops.lm_head import lm_head_cross_entropy
 from kiln.ops.matmul import linear, linear_gelu, matmul
 from kiln.ops.softmax import log_softmax, softmax
 
-__all__ = ["causal_self_attention", "scaled_dot_product_attention", "cross_entropy", "dropout", "where", "embedding", "gelu",
+__all__ = ["causal_self_attention", "scaled_dot_product_attention", "to_kept_dtype", "cross_entropy", "dropout", "where", "embedding", "gelu",
            "add_layer_norm", "layer_norm", "linear", "linear_gelu", "lm_head_cross_entropy", "matmul", "log_softmax", "softmax"]

@@ -2,7 +2,8 @@
 
 Weights start as GPT-2 starts them: normal with std 0.02 (or the `std` given), biases at zero.
 Weights follow the activations' dtype: with fp32 master weights and bf16 activations, a layer
-uses a bf16 copy of its weights (a cast op, so the gradient flows back to the fp32 weight).
+uses a bf16 copy of its weights (a cast op, so the gradient flows back to the fp32 weight). The
+copy is kept with the parameter and AdamW writes it with each update, so a step casts no weight.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from kiln.tensor import ones, zeros
 
 
 def as_dtype_of(weight, x):
-    """weight in x's floating dtype (itself when it already is; None stays None)."""
+    """weight in x's floating dtype (itself when it already is; None stays None); a Parameter's
+    from the copy it keeps (recast only when the parameter changed since: AdamW keeps it current)."""
     if weight is None or weight.dtype is x.dtype:
         return weight
+    if isinstance(weight, Parameter):
+        return F.to_kept_dtype(weight, weight.kept_copy(x.dtype))
     return weight.to(x.dtype)
 
 

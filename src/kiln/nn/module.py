@@ -8,19 +8,33 @@ from kiln.autograd import no_grad
 from kiln.backend import device as parse_device
 from kiln.dtypes import get_dtype
 from kiln.errors import KilnError, ShapeError
+from kiln.ops.convert import KeptCopy
 from kiln.tensor import Tensor
 
 
 class Parameter(Tensor):
-    """A leaf tensor that a Module owns and an optimizer updates; requires grad by default."""
+    """A leaf tensor that a Module owns and an optimizer updates; requires grad by default.
 
-    __slots__ = ()
+    `kept`: its copy in the compute dtype of a mixed-precision step (a KeptCopy, made at the first
+    forward that asks for one), which AdamW writes with each update; None until then."""
+
+    __slots__ = ("kept",)
 
     def __init__(self, data, requires_grad: bool = True):
         if isinstance(data, Tensor):
             self._init(data.data, data.device, requires_grad)
         else:
             super().__init__(data, requires_grad=requires_grad)
+
+    def _init(self, *args, **kwargs):
+        super()._init(*args, **kwargs)
+        self.kept = None
+
+    def kept_copy(self, dtype) -> KeptCopy:
+        """The copy of this parameter in dtype that it keeps (a new one when it kept another dtype)."""
+        if self.kept is None or self.kept.dtype is not dtype:
+            self.kept = KeptCopy(dtype)
+        return self.kept
 
     def __repr__(self) -> str:
         return "Parameter(" + super().__repr__() + ")"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kiln.autograd import Fresh, Function
 from kiln.errors import DTypeError, ShapeError
+from kiln.ops.convert import grad_dtype
 
 
 class LayerNorm(Function):
@@ -16,17 +17,17 @@ class LayerNorm(Function):
         x2 = x.data.reshape(-1, c)
         y, mean, rstd = x.backend.layer_norm_fwd(x2, weight.data, None if bias is None else bias.data, eps)
         ctx.save_for_backward(x, weight)
-        ctx.meta = (mean, rstd, x.backend, bias is not None)
+        ctx.meta = (mean, rstd, x.backend, bias is not None, grad_dtype(weight))
         return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved
-        mean, rstd, backend, has_bias = ctx.meta
+        mean, rstd, backend, has_bias, param_grad_dtype = ctx.meta
         c = x.shape[-1]
         need = ctx.needs_input_grad
         dx, dw, db = backend.layer_norm_bwd(g.reshape(-1, c), x.reshape(-1, c), w, mean, rstd,
-                                            need[1], has_bias and need[2])
+                                            need[1], has_bias and need[2], param_grad_dtype)
         dx = dx.reshape(x.shape) if need[0] else None
         return (dx, dw, db) if has_bias else (dx, dw)
 
@@ -45,20 +46,21 @@ class AddLayerNorm(Function):
                                                         None if bias is None else bias.data, eps)
         s = s.reshape(x.shape)
         ctx.save_for_backward(Fresh(s), weight)  # s is an output: it shares the output's version
-        ctx.meta = (mean, rstd, x.backend, bias is not None)
+        ctx.meta = (mean, rstd, x.backend, bias is not None, grad_dtype(weight))
         return s, h.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, ds, dh):
         s, w = ctx.saved
-        mean, rstd, backend, has_bias = ctx.meta
+        mean, rstd, backend, has_bias, param_grad_dtype = ctx.meta
         need = ctx.needs_input_grad
         if dh is None:  # only the sum was used: its gradient passes to x and y as it is
             dx, dw, db = ds, None, None
         else:
             c = s.shape[-1]
             dx, dw, db = backend.add_layer_norm_bwd(None if ds is None else ds.reshape(-1, c), dh.reshape(-1, c),
-                                                    s.reshape(-1, c), w, mean, rstd, need[2], has_bias and need[3])
+                                                    s.reshape(-1, c), w, mean, rstd, need[2], has_bias and need[3],
+                                                    param_grad_dtype)
             dx = dx.reshape(s.shape)
         grads = (dx if need[0] else None, dx if need[1] else None, dw)
         return grads + (db,) if has_bias else grads

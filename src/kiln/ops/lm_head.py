@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kiln.autograd import Function
 from kiln.errors import AutogradError, DTypeError, ShapeError
+from kiln.ops.convert import grad_dtype
 
 
 class LMHeadCrossEntropy(Function):
@@ -21,7 +22,7 @@ class LMHeadCrossEntropy(Function):
         loss, dx, dw = x.backend.lm_head_xent_fwd(x.data, weight.data, targets.data, ignore_index, chunk_rows,
                                                   need_dx, need_dw)
         ctx.grads = (dx, dw)
-        ctx.meta = (x.shape, weight.data.dtype, x.backend)
+        ctx.meta = (x.shape, grad_dtype(weight), x.backend)  # dweight stays fp32 for fp32 master weights
         return loss
 
     @staticmethod

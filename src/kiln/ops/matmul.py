@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kiln.autograd import Function
 from kiln.errors import DTypeError, ShapeError
+from kiln.ops.convert import grad_dtype
 from kiln.ops.elementwise import unbroadcast
 
 
@@ -65,6 +66,7 @@ class Linear(Function):
         ctx.has_bias = bias is not None
         ctx.backend = x.backend
         ctx.x_shape = x.shape
+        ctx.param_grad_dtype = grad_dtype(weight)
         nx, nw = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if nw else None, weight if nx else None)
         x2 = x.data.reshape(-1, x.shape[-1])
@@ -78,7 +80,7 @@ class Linear(Function):
         g2 = g.reshape(-1, g.shape[-1])
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
         dx, dw, db = ctx.backend.linear_bwd(g2, x2, w, need[0], need[1],
-                                            ctx.has_bias and need[2])
+                                            ctx.has_bias and need[2], ctx.param_grad_dtype)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         return (dx, dw, db) if ctx.has_bias else (dx, dw)
@@ -91,6 +93,7 @@ class LinearGELU(Function):
     def forward(ctx, x, weight, bias):
         ctx.backend = x.backend
         ctx.x_shape = x.shape
+        ctx.param_grad_dtype = grad_dtype(weight)
         nx, nw = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if nw else None, weight if nx else None)
         x2 = x.data.reshape(-1, x.shape[-1])
@@ -102,10 +105,14 @@ class LinearGELU(Function):
     def backward(ctx, g):
         x, w = ctx.saved
         need = ctx.needs_input_grad
-        dpre = ctx.backend.gelu_bwd(g.reshape(-1, g.shape[-1]), ctx.pre)
+        g2 = g.reshape(-1, g.shape[-1])
+        if need[2]:  # the bias gradient (column sums of dpre) made in the GELU backward's pass, not its own
+            dpre, db = ctx.backend.gelu_bwd_bias(g2, ctx.pre, ctx.param_grad_dtype)
+        else:
+            dpre, db = ctx.backend.gelu_bwd(g2, ctx.pre), None
         ctx.pre = None
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
-        dx, dw, db = ctx.backend.linear_bwd(dpre, x2, w, need[0], need[1], need[2])
+        dx, dw, _ = ctx.backend.linear_bwd(dpre, x2, w, need[0], need[1], False, ctx.param_grad_dtype)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         return dx, dw, db

@@ -3,6 +3,9 @@
 Gradient clipping rides in the same call: `AdamW.clip_grad_norm_` computes the global norm
 into a device scalar, and the next `step()` scales each gradient by min(1, max_norm / norm)
 as the kernel reads it (computed on the device: no host sync, no separate scaling pass).
+A parameter that keeps a copy in a lower compute dtype (kiln.ops.convert.KeptCopy: a bf16
+step's weights) has it written by the same kernel from the updated value, so the next forward
+casts no weight (one pass over the weights fewer).
 """
 
 from __future__ import annotations
@@ -95,36 +98,44 @@ class AdamW:
         exp_avgs, exp_avg_sqs = self._moments
         i = 0
         by_lr: dict = {}
+        kept = []  # the kept copies this step writes: current once it has
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 if p.grad is not None:
                     key = (gi if captured else g["lr"], p.device)
-                    batch = by_lr.setdefault(key, ([], [], [], [], [], p.backend))
+                    batch = by_lr.setdefault(key, ([], [], [], [], [], [], p.backend))
                     batch[0].append(p.data)
                     batch[1].append(p.grad.data)
                     batch[2].append(exp_avgs[i])
                     batch[3].append(exp_avg_sqs[i])
                     batch[4].append(g["weight_decay"])
+                    copy = getattr(p, "kept", None)
+                    batch[5].append(None if copy is None else copy.data)
                     p._version[0] += 1
+                    if copy is not None and copy.data is not None:
+                        kept.append((copy, p))
                 i += 1
         b1, b2 = self.betas
         clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
         self._clip = None
         if captured:
             self._record_step(by_lr, clip_norm, max_norm)
-            return
-        for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
-            backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, self.eps, self.step_count,
-                               clip_norm=clip_norm, max_norm=max_norm)
+        else:
+            for (lr, _), (ps, gs, ms, vs, wds, cs, backend) in by_lr.items():
+                backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, self.eps, self.step_count,
+                                   clip_norm=clip_norm, max_norm=max_norm, copies=cs)
+        for copy, p in kept:
+            copy.version = p._version[0]
 
     def _record_step(self, by_group, clip_norm, max_norm) -> None:
         b1, b2 = self.betas
         hypers = []
-        for (gi, _), (ps, gs, ms, vs, wds, backend) in by_group.items():
+        for (gi, _), (ps, gs, ms, vs, wds, cs, backend) in by_group.items():
             hyper = backend.adamw_hyper_buffer()
             hypers.append((gi, hyper, backend))
             backend.adamw_step(ps, gs, ms, vs, wds, self.param_groups[gi]["lr"], b1, b2, self.eps,
-                               self.step_count + 1, clip_norm=clip_norm, max_norm=max_norm, hyper=hyper)
+                               self.step_count + 1, clip_norm=clip_norm, max_norm=max_norm, copies=cs,
+                               hyper=hyper)
 
         def advance():  # before each replay: this step's count, lr and bias corrections
             self.step_count += 1

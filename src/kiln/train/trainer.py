@@ -226,6 +226,7 @@ class Trainer:
         loss = None
         if not eager and self._use_graph():
             if self._graph_step is None:
+                self._refresh_kept_copies()
                 self._graph_step = CapturedStep(self._step_body)
             try:
                 loss, norm = self._graph_step(*batches)
@@ -239,6 +240,18 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": self.last_loss, "lr": lr,
                 "grad_norm": None if norm is None else norm.item()}
+
+    def _refresh_kept_copies(self) -> None:
+        """Make, or recast when its parameter changed since (a restored or loaded state), every parameter's
+        kept compute-dtype copy, now: a graph replay reads the copies without checking versions (AdamW
+        keeps them current), and a copy made or recast inside the capture would be recast at every replay
+        (a resumed run captures its first step). Sharded runs are not captured; FSDP keeps no copies."""
+        dtype = self.model.compute_dtype
+        if dtype is None or self.sharded:
+            return
+        for p in self.model.parameters():
+            if p.dtype is not dtype:
+                p.kept_copy(dtype).read(p)
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
@@ -535,6 +548,7 @@ class Trainer:
         for p, a in zip(opt.params, params):
             p.data[...] = a
             p._bump()
+        self._refresh_kept_copies()
         if moments is None:
             opt._moments = None
         else:

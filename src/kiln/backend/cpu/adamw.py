@@ -30,17 +30,20 @@ def clip_coef(norm, max_norm):
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, beta2, eps, step,
-               clip_norm=None, max_norm=0.0):
+               clip_norm=None, max_norm=0.0, copies=None):
     """One AdamW update of every parameter, in place, the same arithmetic as torch.optim.AdamW.
 
     clip_norm (a 0-d array, or None): read every gradient as g * clip_coef(clip_norm, max_norm),
     the clip fused into the update; the gradients themselves are not changed.
+    copies: per parameter, an array of its shape in a compute dtype (or None): set to the updated
+    parameter cast to that dtype (the copy a mixed-precision forward reads, kiln.ops.convert.KeptCopy).
     """
     coef = None if clip_norm is None else clip_coef(clip_norm, max_norm)
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
     step_size = lr / bias_correction1
-    for p, g, m, v, wd in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays):
+    copies = [None] * len(params) if copies is None else copies
+    for p, g, m, v, wd, c in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
         dt = p.dtype.type
         if coef is not None:
             g = g * coef.astype(g.dtype)
@@ -52,3 +55,5 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, b
         denom = np.sqrt(v) / dt(bias_correction2_sqrt)
         denom += dt(eps)
         p -= dt(step_size) * (m / denom)
+        if c is not None:
+            c[...] = p.astype(c.dtype)

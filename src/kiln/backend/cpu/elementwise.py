@@ -8,6 +8,9 @@ def add(a, b, out=None):
     return np.add(a, b, out=out)
 
 
-def cast(x, dtype):
-    """x converted to dtype, a new array."""
-    return x.astype(dtype)
+def cast(x, dtype, out=None):
+    """x converted to dtype: a new array, or written into out (of x's shape and that dtype)."""
+    if out is None:
+        return x.astype(dtype)
+    out[...] = x.astype(dtype)
+    return out

@@ -46,3 +46,11 @@ def gelu_bwd(grad, x):
     t += s
     t *= upcast(grad)
     return t.astype(x.dtype, copy=False)
+
+
+def gelu_bwd_bias(grad, x, dbias_dtype=None):
+    """(gelu_bwd(grad, x), dbias) for x [rows, C]: dbias[c] = sum over rows of dx[:, c] as stored, the bias
+    gradient of the layer whose output x is (the CUDA kernel makes it in the same pass as dx), in
+    dbias_dtype (default x's: float32 for a bf16 copy of an fp32 bias)."""
+    dx = gelu_bwd(grad, x)
+    return dx, upcast(dx).sum(axis=0).astype(dx.dtype if dbias_dtype is None else dbias_dtype)

@@ -31,13 +31,15 @@ def layer_norm_fwd(x, weight, bias, eps):
     return y.astype(x.dtype, copy=False), mean[:, 0], rstd[:, 0]
 
 
-def _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db):
-    """(dx in the compute dtype, dweight, dbias): the LayerNorm backward before dx is rounded."""
+def _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
+    """(dx in the compute dtype, dweight, dbias): the LayerNorm backward before dx is rounded; dweight and
+    dbias in param_grad_dtype (default the weight's)."""
     g = upcast(grad)
     xhat = upcast(x) - mean[:, None]
     xhat *= rstd[:, None]
-    dw = np.einsum("ij,ij->j", g, xhat).astype(weight.dtype, copy=False) if need_dw else None
-    db = g.sum(axis=0).astype(weight.dtype, copy=False) if need_db else None
+    pdtype = weight.dtype if param_grad_dtype is None else param_grad_dtype
+    dw = np.einsum("ij,ij->j", g, xhat).astype(pdtype, copy=False) if need_dw else None
+    db = g.sum(axis=0).astype(pdtype, copy=False) if need_db else None
     gw = g * upcast(weight) if weight is not None else g
     c = x.shape[-1]
     # dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), built in xhat's buffer
@@ -50,9 +52,10 @@ def _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db):
     return xhat, dw, db
 
 
-def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db):
-    """(dx, dweight, dbias), the whole backward in one pass over rows."""
-    dx, dw, db = _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db)
+def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
+    """(dx, dweight, dbias), the whole backward in one pass over rows; dweight and dbias in
+    param_grad_dtype (default the weight's: float32 for a bf16 copy of fp32 master weights)."""
+    dx, dw, db = _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
     return dx.astype(x.dtype, copy=False), dw, db
 
 
@@ -64,11 +67,11 @@ def add_layer_norm_fwd(x, y, weight, bias, eps):
     return s, h, mean, rstd
 
 
-def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db):
+def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
     """(dx, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h), added before dx is rounded.
 
     dx is the gradient of both x and y. grad_s may be None (the sum was not used); grad_h may not."""
-    dx, dw, db = _dx_compute(grad_h, s, weight, mean, rstd, need_dw, need_db)
+    dx, dw, db = _dx_compute(grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
     if grad_s is not None:
         dx += upcast(grad_s)
     return dx.astype(s.dtype, copy=False), dw, db

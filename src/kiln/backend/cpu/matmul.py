@@ -32,11 +32,13 @@ def linear_gelu_fwd(x, weight, bias):
     return gelu_fwd(pre), pre
 
 
-def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
+def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None):
     """(dx, dweight, dbias) for y = x @ weight^T + b; grad and x are 2-D. x is None when dweight is
-    not needed, weight when dx is not (autograd saves only what the backward reads)."""
+    not needed, weight when dx is not (autograd saves only what the backward reads). dweight and
+    dbias are in param_grad_dtype (default grad's): float32 for a bf16 copy of fp32 master weights."""
     dtype = grad.dtype  # = x's = weight's (linear checks that they match)
+    pdtype = dtype if param_grad_dtype is None else np.dtype(param_grad_dtype)
     dx = _gemm(grad, weight, dtype) if need_dx else None
-    dw = _gemm(grad.T, x, dtype) if need_dw else None
-    db = upcast(grad).sum(axis=0).astype(dtype, copy=False) if need_db else None
+    dw = _gemm(grad.T, x, pdtype) if need_dw else None
+    db = upcast(grad).sum(axis=0).astype(pdtype, copy=False) if need_db else None
     return dx, dw, db

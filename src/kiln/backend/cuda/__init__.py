@@ -30,7 +30,7 @@ from kiln.backend.cuda.device import device_name, ensure_available, range_pop, r
 from kiln.backend.cuda.dropout import dropout_fwd
 from kiln.backend.cuda.elementwise import add, cast
 from kiln.backend.cuda.embedding import embedding_bwd, embedding_fwd
-from kiln.backend.cuda.gelu import gelu_bwd, gelu_fwd
+from kiln.backend.cuda.gelu import gelu_bwd, gelu_bwd_bias, gelu_fwd
 from kiln.backend.cuda.graph import capture
 from kiln.backend.cuda.layer_norm import (
     add_layer_norm_bwd,

@@ -22,15 +22,16 @@ from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
 from kiln.backend.cuda.launch import ctype, f32, get_kernel, i32, i64
 from kiln.errors import KilnError
 
-register_family("adamw.cu", [f"adamw_multi<{p}, {g}>" for p, g in (("float", "float"), ("__nv_bfloat16", "__nv_bfloat16"),
-                                                                 ("__half", "__half"), ("float", "__nv_bfloat16"))]
+# (param, grad, kept copy) types; a group without copies uses the param's type as the third
+_ADAMW_TYPES = {("float", "float", "float"), ("float", "float", "__nv_bfloat16"), ("float", "float", "__half"),
+                ("__nv_bfloat16", "__nv_bfloat16", "__nv_bfloat16"), ("__half", "__half", "__half"),
+                ("float", "__nv_bfloat16", "float"), ("float", "__nv_bfloat16", "__nv_bfloat16")}
+register_family("adamw.cu", [f"adamw_multi<{p}, {g}, {c}>" for p, g, c in sorted(_ADAMW_TYPES)]
                 + [f"sumsq_multi<{t}>" for t in FLOAT_CTYPES] + ["sumsq_finish", "adamw_set_hyper"]
                 + [f"scale_multi<{t}>" for t in FLOAT_CTYPES])
 
 CHUNK = 16384  # elements per block: 256 threads x 4-element vectors x 16 iterations
 THREADS = 256
-_ADAMW_PAIRS = {("float", "float"), ("__nv_bfloat16", "__nv_bfloat16"), ("__half", "__half"),
-                ("float", "__nv_bfloat16")}
 _MAX_TABLES = 16
 _ctypes: dict = {}
 
@@ -83,11 +84,11 @@ def _layout(k: int, sizes: tuple, weight_decays):
 
 
 def _table(groups, weight_decays=None) -> TensorTable:
-    """The table for tensors given as tuples of arrays (param, grad, m, v) or (array,).
+    """The table for tensors given as tuples of arrays (param, grad, m, v, kept copy or None) or (array,).
 
     Cached by buffer addresses; on a miss (new gradient buffers: every eager step) only the
     pointers are written into the cached layout and the buffer is uploaded in one async copy."""
-    ptrs = [a.data.ptr for g in groups for a in g]
+    ptrs = [0 if a is None else a.data.ptr for g in groups for a in g]
     sizes = tuple(g[0].size for g in groups)
     wds = None if weight_decays is None else tuple(weight_decays)
     key = (rt.device_id(), tuple(ptrs), sizes, wds)
@@ -150,12 +151,15 @@ def adamw_set_hyper(buf, lr, beta1, beta2, step) -> None:
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, beta2, eps, step,
-               clip_norm=None, max_norm=0.0, hyper=None):
+               clip_norm=None, max_norm=0.0, copies=None, hyper=None):
     """One AdamW update of every parameter, in place, torch.optim.AdamW's arithmetic, in fp32.
 
     clip_norm: the global gradient norm as a 0-d float32 device array, or None; when given,
     every gradient is read as g * min(1, max_norm / (clip_norm + 1e-6)) (torch's clip),
     computed on the device, so clipping costs no pass and no sync of its own.
+    copies: per parameter, its kept copy in a compute dtype (or None), written by the same
+    kernel from the updated value (round to nearest even, as a cast): the bf16 weights of the
+    next forward cost 2 bytes a parameter here instead of a cast's 6.
     hyper: a device buffer from adamw_hyper_buffer(); the kernel then reads lr, the step size
     and the bias correction from it instead of the host floats, so a captured CUDA graph can
     replay the step with each step's values (written by adamw_set_hyper before the replay).
@@ -163,18 +167,21 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, b
     _, step_size, inv_bc2_sqrt = adamw_hyper(lr, beta1, beta2, step)
     groups: dict = {}
     rest = []
-    for p, g, m, v, wd in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays):
-        pair = (_ctype(p.dtype), _ctype(g.dtype))
-        if pair in _ADAMW_PAIRS and m.dtype == p.dtype and v.dtype == p.dtype and _fusable(p, g, m, v):
-            groups.setdefault(pair, []).append(((p, g, m, v), wd))
+    copies = [None] * len(params) if copies is None else copies
+    for p, g, m, v, wd, c in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
+        tp = _ctype(p.dtype)
+        types = (tp, _ctype(g.dtype), tp if c is None else _ctype(c.dtype))
+        if types in _ADAMW_TYPES and m.dtype == p.dtype and v.dtype == p.dtype and _fusable(p, g, m, v) \
+                and (c is None or (c.shape == p.shape and _fusable(c))):
+            groups.setdefault(types, []).append(((p, g, m, v, c), wd))
         elif p.size:
-            rest.append((p, g, m, v, wd))
+            rest.append((p, g, m, v, wd, c))
     if clip_norm is not None:
         clip_norm = rt.cupy().asarray(clip_norm, dtype=np.float32).reshape(())
     norm_arg = np.uint64(0) if clip_norm is None else clip_norm
-    for (tp, tg), items in groups.items():
+    for (tp, tg, tc), items in groups.items():
         tab = _table([t for t, _ in items], [float(wd) for _, wd in items])
-        get_kernel("adamw.cu", f"adamw_multi<{tp}, {tg}>")(
+        get_kernel("adamw.cu", f"adamw_multi<{tp}, {tg}, {tc}>")(
             (tab.nblocks,), (THREADS,),
             (tab.ptrs, tab.sizes, tab.block_start, i32(tab.ntensors), tab.weight_decays, i64(CHUNK),
              norm_arg, f32(max_norm), f32(lr), f32(beta1), f32(beta2), f32(eps), f32(step_size),
@@ -183,7 +190,8 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, weight_decays, lr, beta1, b
         raise KilnError("a captured AdamW step needs every parameter contiguous and in float32, bfloat16 "
                         f"or float16; {len(rest)} are not")
     if rest:  # float64 or non-contiguous: CuPy elementwise ops with the CPU backend's arithmetic
-        cpu.adamw_step(*zip(*rest), lr, beta1, beta2, eps, step, clip_norm=clip_norm, max_norm=max_norm)
+        *arrays, cs = zip(*rest)
+        cpu.adamw_step(*arrays, lr, beta1, beta2, eps, step, clip_norm=clip_norm, max_norm=max_norm, copies=cs)
 
 
 class _Reduction:

@@ -204,6 +204,15 @@ class CachingAllocator:
         try:
             ptr = self._driver_malloc(r, device_id)
         except MemoryError:
+            if self._capturing is not None:
+                # Giving the cache back needs cudaDeviceSynchronize and cudaFree, which a capturing
+                # stream refuses (cudaErrorStreamCaptureUnsupported, and the capture is lost);
+                # graph.capture returns the cache before it starts, so there is nothing to give.
+                self._stats["num_ooms"] += 1
+                raise OutOfMemoryError(
+                    f"out of device memory allocating {size} bytes (rounded to {r}) on cuda:{device_id} while "
+                    f"a CUDA graph was captured; reserved {self._stats['reserved_bytes']} bytes. The step needs "
+                    "more memory than the device has: reduce the batch size or the sequence length") from None
             self._release_locked()  # give the cache back and try once more
             try:
                 ptr = self._driver_malloc(r, device_id)

@@ -64,7 +64,6 @@ EPILOGUES = {
     "default": 1,          # CUBLASLT_EPILOGUE_DEFAULT
     "bias": 4,             # CUBLASLT_EPILOGUE_BIAS: D += bias, bias length = rows of D (= N row-major)
     "gelu_aux_bias": 164,  # CUBLASLT_EPILOGUE_GELU_AUX_BIAS = GELU_AUX (32|128) | BIAS (4)
-    "bgradb": 512,         # CUBLASLT_EPILOGUE_BGRADB: bias grad over k of cuBLAS's B (= our A)
 }
 
 WORKSPACE_BYTES = 32 << 20
@@ -330,7 +329,6 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
     stride ldb, or with trans_b stored [n, k]; strides are in elements. `a`, `b`, `out` are
     CuPy arrays whose first element is the first matrix. Epilogues: "bias" adds bias[n];
     "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld);
-    "bgradb" writes bias[m] = sum_k op(A)[m, k] (the bias gradient of a dW GEMM).
     `out` is A's and B's dtype, or float32 for bfloat16/float16 operands (fp32 accumulation kept
     in the output); with accumulate, out += op(A) @ op(B) in place (beta = 1: in the GEMM, in a
     fixed order, e.g. a weight gradient summed over chunks of rows).
@@ -360,7 +358,7 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
                                    epilogue, aligns, aux_ld, vec_aligns, out.dtype, accumulate)
     if epilogue != "default":
         if bias is None:
-            raise ConfigError(f"GEMM epilogue {epilogue!r} needs a bias (or bias-gradient) buffer")
+            raise ConfigError(f"GEMM epilogue {epilogue!r} needs a bias buffer")
         plan.set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, rt.ptr(bias))
     if epilogue == "gelu_aux_bias":
         plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, rt.ptr(aux))

@@ -39,13 +39,17 @@ def add(a, b, out=None):
     return out
 
 
-def cast(x, dtype):
-    """x converted to dtype (a new array, as astype); one vector kernel between float32, bfloat16, float16."""
+def cast(x, dtype, out=None):
+    """x converted to dtype (a new array, as astype, or written into out: x's shape, that dtype); one
+    vector kernel between float32, bfloat16, float16."""
     dtype = np.dtype(dtype)
     ti, to = ctype(x.dtype), ctype(dtype)
-    if ti is None or to is None or not x.flags.c_contiguous:
-        return x.astype(dtype)
-    y = rt.cupy().empty(x.shape, dtype=dtype)
+    if ti is None or to is None or not x.flags.c_contiguous or (out is not None and not out.flags.c_contiguous):
+        if out is None:
+            return x.astype(dtype)
+        out[...] = x.astype(dtype)
+        return out
+    y = rt.cupy().empty(x.shape, dtype=dtype) if out is None else out
     if x.size:
         _launch(f"cast<{ti}, {to}>", x.size, (x, y))
     return y

@@ -45,6 +45,12 @@ def capture(fn) -> CapturedGraph:
                                 "(KILN_CUDA_ALLOCATOR=cupy turns it off)")
     s = rt.stream()
     s.synchronize()
+    # The eager cache goes back to the driver first: a capture cannot return it (cudaFree and
+    # cudaDeviceSynchronize are refused while a stream captures), so a step that fills the device
+    # (the 76-layer fp32 model) would find its sizes missing from a cache of other sizes, and fail
+    # with cudaErrorStreamCaptureUnsupported. Now every block the graph needs is a new cudaMalloc,
+    # which the relaxed capture mode allows, and the graph needs what an eager step needs.
+    alloc.release_unused()
     pool = allocator.GraphPool()
     with alloc.capture_into(pool):
         s.begin_capture()

@@ -51,6 +51,32 @@ def contiguous(a):
     return a if a.flags.c_contiguous else rt.cupy().ascontiguousarray(a)
 
 
+# A column reduction over rows (a bias or LayerNorm-parameter gradient) in two deterministic steps:
+# blocks of COLUMN_PART_THREADS threads each sum ROWS_PER_PART rows of their columns into one fp32
+# row of partial sums, then column_sum_finish (common.cuh) adds the rows in a fixed order.
+ROWS_PER_PART = 32        # ~12 blocks an SM over GPT-2's [16384, 3072] gradients: loads in flight
+COLUMN_PART_THREADS = 128
+FINISH_THREADS = 256      # column_sum_finish: 8 warps, each adding every 8th part of 32 columns
+_MAX_GRID_Y = 65535
+
+
+def column_parts(rows: int, c: int, vec_pack: int):
+    """(grid, rows per part, parts) of a column_sum_part-style kernel over [rows, c]; vec_pack: the
+    columns a thread owns (its 16-byte pack, or 1)."""
+    per_part = max(ROWS_PER_PART, cdiv(rows, _MAX_GRID_Y))
+    parts = cdiv(rows, per_part)
+    return (cdiv(cdiv(c, vec_pack), COLUMN_PART_THREADS), parts), per_part, parts
+
+
+def column_sum_finish(family: str, partial, parts: int, c: int, outs) -> None:
+    """outs[i] = the column sums of partial's fp32 rows [i * parts, (i + 1) * parts), in a fixed order, for
+    each of the one or two outputs (None: not wanted), all of one dtype (family: the kernel file that
+    instantiates column_sum_finish for it)."""
+    dtype = next(o.dtype for o in outs if o is not None)
+    get_kernel(family, f"column_sum_finish<{ctype(dtype)}>")(
+        (cdiv(c, 32), len(outs)), (FINISH_THREADS,), (partial, i32(parts), i32(c), *outs, *(None,) * (2 - len(outs))))
+
+
 def as_index(a):
     """An index array the kernels take (int64 or int32), contiguous."""
     cp = rt.cupy()

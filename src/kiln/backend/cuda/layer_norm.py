@@ -14,7 +14,17 @@ from __future__ import annotations
 from kiln.backend.cpu import layer_norm as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
-from kiln.backend.cuda.launch import aligned16, cdiv, contiguous, cpu_fallback, ctype, f32, get_kernel, i32
+from kiln.backend.cuda.launch import (
+    aligned16,
+    cdiv,
+    column_sum_finish,
+    contiguous,
+    cpu_fallback,
+    ctype,
+    f32,
+    get_kernel,
+    i32,
+)
 
 _ROWS_PER_BLOCK = 8  # one warp per row, 8 warps per block (kLnWarps in layer_norm.cu)
 # LayerNorm widths compiled with the row held in registers; others take the generic kernel.
@@ -40,7 +50,7 @@ def _instantiations():
                 if c in LAYER_NORM_BWD_WIDTHS:
                     out += [f"layer_norm_bwd_reg<{t}, {c}>", f"add_layer_norm_bwd_reg<{t}, {c}>"]
         out += [f"layer_norm_fwd_any<{t}>", f"layer_norm_bwd_any<{t}>", f"add_layer_norm_fwd_any<{t}>",
-                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>", f"layer_norm_dwdb_finish<{t}>"]
+                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>", f"column_sum_finish<{t}>"]
     return out
 
 
@@ -87,11 +97,12 @@ def layer_norm_fwd(x, weight, bias, eps):
     return y, mean, rstd
 
 
-def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db):
-    """(dx, dweight, dbias); dweight/dbias are None unless asked for."""
+def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
+    """(dx, dweight, dbias); dweight/dbias are None unless asked for, in param_grad_dtype (default the
+    weight's: float32 for a bf16 copy of fp32 master weights, written by the finish kernel as is)."""
     if ctype(x.dtype) is None:
-        return cpu_fallback(cpu.layer_norm_bwd, grad, x, weight, mean, rstd, need_dw, need_db)
-    return _bwd(None, grad, x, weight, mean, rstd, need_dw, need_db)
+        return cpu_fallback(cpu.layer_norm_bwd, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
+    return _bwd(None, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
 
 
 def add_layer_norm_fwd(x, y, weight, bias, eps):
@@ -119,15 +130,16 @@ def add_layer_norm_fwd(x, y, weight, bias, eps):
     return s, h, mean, rstd
 
 
-def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db):
+def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
     """(dx, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h) (rounded once): the gradient
     of both addends of s = x + y. grad_s None: dx is the LayerNorm's alone (the plain kernels)."""
     if ctype(s.dtype) is None:
-        return cpu_fallback(cpu.add_layer_norm_bwd, grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db)
-    return _bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db)
+        return cpu_fallback(cpu.add_layer_norm_bwd, grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db,
+                            param_grad_dtype)
+    return _bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
 
 
-def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db):
+def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
     """The LayerNorm backward of grad at x (plus grad_s into dx unless it is None)."""
     t = ctype(x.dtype)
     cp = rt.cupy()
@@ -158,17 +170,14 @@ def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db):
                 (cdiv(c, 32), parts), (256,), (g, x, mean, rstd, partial, i32(n), i32(c), i32(rows_per_chunk)))
     dw = db = None
     if need_dw or need_db:
-        pdtype = x.dtype if weight is None else weight.dtype
-        dw = cp.empty((c,), dtype=pdtype) if need_dw else None
-        db = cp.empty((c,), dtype=pdtype) if need_db else None
-        if ctype(pdtype) != t:  # finish in x's dtype, then convert (weights of another dtype)
-            dw_t = cp.empty((c,), dtype=x.dtype) if need_dw else None
-            db_t = cp.empty((c,), dtype=x.dtype) if need_db else None
-        else:
-            dw_t, db_t = dw, db
-        get_kernel("layer_norm.cu", f"layer_norm_dwdb_finish<{t}>")(
-            (cdiv(c, 256),), (256,), (partial, i32(parts), i32(c), dw_t, db_t))
-        if dw_t is not dw:
-            dw = None if dw_t is None else dw_t.astype(pdtype)
-            db = None if db_t is None else db_t.astype(pdtype)
+        pdtype = param_grad_dtype if param_grad_dtype is not None else x.dtype if weight is None else weight.dtype
+        # the sums are fp32: the finish writes the parameters' dtype directly, or x's and converts
+        # (float64 weights over float32 activations)
+        finish_dtype = pdtype if ctype(pdtype) is not None else x.dtype
+        dw = cp.empty((c,), dtype=finish_dtype) if need_dw else None
+        db = cp.empty((c,), dtype=finish_dtype) if need_db else None
+        column_sum_finish("layer_norm.cu", partial, parts, c, (dw, db))
+        if finish_dtype != pdtype:
+            dw = None if dw is None else dw.astype(pdtype)
+            db = None if db is None else db.astype(pdtype)
     return dx, dw, db

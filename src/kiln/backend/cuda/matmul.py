@@ -14,7 +14,22 @@ import numpy as np
 
 from kiln.backend.cpu import matmul as cpu
 from kiln.backend.cuda import cublaslt, device as rt
-from kiln.backend.cuda.launch import cpu_fallback
+from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.launch import (
+    COLUMN_PART_THREADS,
+    aligned16,
+    column_parts,
+    column_sum_finish,
+    contiguous,
+    cpu_fallback,
+    ctype,
+    get_kernel,
+    i32,
+)
+
+# The GEMMs are cuBLASLt's; matmul.cu holds the bias gradient's column sums.
+register_family("matmul.cu", [f"column_sum_part<{t}, {v}>" for t in FLOAT_CTYPES for v in ("true", "false")]
+                + [f"column_sum_finish<{t}>" for t in FLOAT_CTYPES])
 
 
 def _gemm_dtype(*arrays) -> bool:
@@ -161,19 +176,22 @@ def _linear_fwd_f64(x, weight, bias):
     return y
 
 
-_no_bgradb: set = set()  # (dtype, m, n, k) where cuBLASLt offered no BGRADB algorithm
+def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None):
+    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias is kiln's column sum of grad (_bias_grad).
 
-
-def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
-    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias rides in the dW GEMM (BGRADB epilogue)."""
+    param_grad_dtype: dweight's and dbias's dtype (default grad's); float32 with bf16/fp16 operands
+    (the bf16 copy of fp32 master weights) has the GEMM write its fp32 accumulator as it is, so no
+    cast pass follows, and the gradient is not rounded to bf16 on its way to the fp32 weight."""
     cp = rt.cupy()
-    if not _gemm_dtype(*(a for a in (grad, weight, x) if a is not None)):
+    pdtype = np.dtype(grad.dtype if param_grad_dtype is None else param_grad_dtype)
+    if not _gemm_dtype(*(a for a in (grad, weight, x) if a is not None)) or not (
+            pdtype == grad.dtype or (pdtype == np.float32 and np.dtype(grad.dtype).name in ("bfloat16", "float16"))):
         if grad.dtype == np.float64:
             dx = grad @ weight if need_dx else None
-            dw = grad.T @ x if need_dw else None
-            db = grad.sum(axis=0) if need_db else None
+            dw = (grad.T @ x).astype(pdtype, copy=False) if need_dw else None
+            db = grad.sum(axis=0).astype(pdtype, copy=False) if need_db else None
             return dx, dw, db
-        return cpu_fallback(cpu.linear_bwd, grad, x, weight, need_dx, need_dw, need_db)
+        return cpu_fallback(cpu.linear_bwd, grad, x, weight, need_dx, need_dw, need_db, pdtype)
     n_rows, n_out = grad.shape
     n_in = weight.shape[1] if weight is not None else x.shape[1]
     ga, tg, ldg = as_matrix(grad)
@@ -186,9 +204,9 @@ def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
             wa, tw, ldw = as_matrix(weight)
             cublaslt.gemm(ga, wa, dx, m=n_rows, n=n_in, k=n_out, trans_a=tg, trans_b=tw, lda=ldg, ldb=ldw)
     if need_db:
-        db = cp.empty((n_out,), dtype=grad.dtype)
+        db = cp.empty((n_out,), dtype=pdtype)
     if need_dw:
-        dw = cp.empty((n_out, n_in), dtype=grad.dtype)
+        dw = cp.empty((n_out, n_in), dtype=pdtype)
         if dw.size and n_rows == 0:
             dw[...] = 0
             if db is not None:
@@ -198,14 +216,27 @@ def linear_bwd(grad, x, weight, need_dx, need_dw, need_db):
             xa, tx, ldx = as_matrix(x)
             # dW[out, in] = grad^T @ x: our A is grad^T, so its transpose flag flips.
             args = dict(m=n_out, n=n_in, k=n_rows, trans_a=not tg, trans_b=tx, lda=ldg, ldb=ldx)
-            key = (np.dtype(dw.dtype).name, n_out, n_in, n_rows)
-            if db is not None and key not in _no_bgradb:
-                try:
-                    cublaslt.gemm(ga, xa, dw, bias=db, epilogue="bgradb", **args)
-                    return dx, dw, db
-                except cublaslt.CublasError:
-                    _no_bgradb.add(key)  # fall through: plain GEMM and a separate reduction
             cublaslt.gemm(ga, xa, dw, **args)
-    if db is not None:
-        db[...] = grad.astype(cp.float32).sum(axis=0).astype(db.dtype)
+    if db is not None and db.size:
+        _bias_grad(grad, db)
     return dx, dw, db
+
+
+def _bias_grad(grad, db) -> None:
+    """db[c] = the sum over rows of grad[:, c] (db may be fp32 over bf16 grad): one read of grad, per-part
+    fp32 sums and a fixed-order finish (matmul.cu). cuBLASLt's BGRADB epilogue, used until 2026-12-04,
+    ran as a kernel of its own too (globalKernelBgradAB, ~2.2 TB/s in the GPT-2 profile), and offers no
+    algorithm for some dtype pairs."""
+    t = ctype(grad.dtype)
+    if t is None or ctype(db.dtype) is None:
+        db[...] = grad.astype(np.float64).sum(axis=0).astype(db.dtype)
+        return
+    grad = contiguous(grad)
+    rows, c = grad.shape
+    pack = 16 // grad.dtype.itemsize
+    vec = c % pack == 0 and aligned16(grad)
+    grid, per_part, parts = column_parts(rows, c, pack if vec else 1)
+    partial = rt.cupy().empty((parts, c), dtype=np.float32)
+    get_kernel("matmul.cu", f"column_sum_part<{t}, {'true' if vec else 'false'}>")(
+        grid, (COLUMN_PART_THREADS,), (grad, partial, i32(rows), i32(c), i32(per_part)))
+    column_sum_finish("matmul.cu", partial, parts, c, (db,))

@@ -8,6 +8,9 @@
 // i.e. every step). Chunks never straddle tensors, so a block's loads are 16-byte vectors
 // whenever the tensor's pointers are aligned, scalar otherwise.
 //
+// A parameter's kept copy in a compute dtype (a bf16 step's weights) is written from the updated
+// fp32 value in the same pass, so no separate cast reads the weights again before the forward.
+//
 // Gradient clipping is fused into AdamW: given the device scalar of the global norm, each
 // block computes min(1, max_norm / (norm + 1e-6)) (torch's coefficient; NaN propagates) and
 // scales the gradient as it reads it. No host sync, no separate scale pass.
@@ -48,8 +51,9 @@ __device__ __forceinline__ void adam_elem(float& p, float g, float& m, float& v,
     p -= a.step_size * (m / denom);
 }
 
-// ptrs[4 t + {0,1,2,3}] = param, grad, exp_avg, exp_avg_sq of tensor t (exp_avg* in TP).
-template <typename TP, typename TG>
+// ptrs[5 t + {0,1,2,3,4}] = param, grad, exp_avg, exp_avg_sq (exp_avg* in TP) and the kept copy
+// (TC, round to nearest even; 0: the tensor has none) of tensor t.
+template <typename TP, typename TG, typename TC>
 __global__ void __launch_bounds__(kMtThreads) adamw_multi(const unsigned long long* __restrict__ ptrs,
                                                           const long long* __restrict__ sizes,
                                                           const long long* __restrict__ block_start, int T,
@@ -67,15 +71,16 @@ __global__ void __launch_bounds__(kMtThreads) adamw_multi(const unsigned long lo
     const int t = owner_tensor(block_start, T, blockIdx.x);
     const long long start = (blockIdx.x - block_start[t]) * chunk_size;
     const long long end = min(start + chunk_size, sizes[t]);
-    TP* __restrict__ p = reinterpret_cast<TP*>(ptrs[4 * t + 0]);
-    const TG* __restrict__ g = reinterpret_cast<const TG*>(ptrs[4 * t + 1]);
-    TP* __restrict__ m = reinterpret_cast<TP*>(ptrs[4 * t + 2]);
-    TP* __restrict__ v = reinterpret_cast<TP*>(ptrs[4 * t + 3]);
+    TP* __restrict__ p = reinterpret_cast<TP*>(ptrs[5 * t + 0]);
+    const TG* __restrict__ g = reinterpret_cast<const TG*>(ptrs[5 * t + 1]);
+    TP* __restrict__ m = reinterpret_cast<TP*>(ptrs[5 * t + 2]);
+    TP* __restrict__ v = reinterpret_cast<TP*>(ptrs[5 * t + 3]);
+    TC* __restrict__ c = reinterpret_cast<TC*>(ptrs[5 * t + 4]);
     const AdamArgs a{lr, beta1, beta2, eps, step_size, inv_bias_correction2_sqrt};
     const float decay = 1.0f - lr * weight_decays[t];
     const float coef = clip_coef(clip_norm, max_norm);
     long long tail = start;
-    if (vec4_aligned(p) && vec4_aligned(g) && vec4_aligned(m) && vec4_aligned(v)) {
+    if (vec4_aligned(p) && vec4_aligned(g) && vec4_aligned(m) && vec4_aligned(v) && (c == nullptr || vec4_aligned(c))) {
         const long long vend = start + ((end - start) & ~3ll);
         for (long long e = start + 4ll * threadIdx.x; e < vend; e += 4ll * kMtThreads) {
             float4 rp = load_f4(p + e), rm = load_f4(m + e), rv = load_f4(v + e);
@@ -87,6 +92,7 @@ __global__ void __launch_bounds__(kMtThreads) adamw_multi(const unsigned long lo
             store_f4(p + e, rp);
             store_f4(m + e, rm);
             store_f4(v + e, rv);
+            if (c != nullptr) store_f4(c + e, rp);
         }
         tail = vend;
     }
@@ -96,6 +102,7 @@ __global__ void __launch_bounds__(kMtThreads) adamw_multi(const unsigned long lo
         p[e] = from_float<TP>(rp);
         m[e] = from_float<TP>(rm);
         v[e] = from_float<TP>(rv);
+        if (c != nullptr) c[e] = from_float<TC>(to_float(p[e]));
     }
 }
 

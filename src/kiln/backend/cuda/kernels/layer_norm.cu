@@ -5,7 +5,7 @@
 // `_reg` kernels are specialised on C (a multiple of 32 lanes x one 16-byte pack): one warp
 // per row holds the row in registers, so x is read once, and the backward keeps per-lane
 // dweight/dbias partial sums across the rows a block visits (no atomics: each block writes
-// one partial row, and `layer_norm_dwdb_finish` sums the partials in a fixed order, so the
+// one partial row, and `column_sum_finish` (common.cuh) sums the partials in a fixed order, so the
 // result is deterministic). `_any` kernels take any C and re-read the row from global/L2.
 //
 // `add_layer_norm_*` fuse a residual add with the LayerNorm that follows it: the forward
@@ -13,7 +13,7 @@
 // h = layer_norm(s); the backward is the LayerNorm backward with the gradient of s added to
 // dx before it is stored (dx is then the gradient of both x and y). They share the row code
 // of the plain kernels (the kAdd template flag), and dweight/dbias go through the same
-// partial sums and `layer_norm_dwdb_finish`.
+// partial sums and `column_sum_finish`.
 #include "common.cuh"
 
 using namespace kiln;
@@ -380,19 +380,4 @@ __global__ void __launch_bounds__(256) layer_norm_dwdb_any(const T* __restrict__
         partial[(long long)blockIdx.y * C + c] = tw;
         partial[(long long)(gridDim.y + blockIdx.y) * C + c] = tb;
     }
-}
-
-// dweight[c] = sum_k partial[k][c], dbias[c] = sum_k partial[parts + k][c], in k order.
-template <typename T>
-__global__ void layer_norm_dwdb_finish(const float* __restrict__ partial, int parts, int C,
-                                       T* __restrict__ dw, T* __restrict__ db) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float tw = 0.0f, tb = 0.0f;
-    for (int k = 0; k < parts; ++k) {
-        tw += partial[(long long)k * C + c];
-        tb += partial[(long long)(parts + k) * C + c];
-    }
-    if (dw != nullptr) dw[c] = from_float<T>(tw);
-    if (db != nullptr) db[c] = from_float<T>(tb);
 }
