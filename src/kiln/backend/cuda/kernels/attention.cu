@@ -806,11 +806,12 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&c)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(c[j][e])::"memory");
 }
 
-// acc[N/8][4] (+)= A[64, K] · B for the block's warpgroup: A given as fragments a[K/16][4], B the
-// SwTile at shared address b, read K-major (TB = 0: the tile is Bᵀ, [N][K]) or MN-major (TB = 1:
-// the tile is B, [K][N]). Waits for the result.
+// acc[N/8][4] += A[64, K] · B for the block's warpgroup, issued (not waited for): A given as
+// fragments a[K/16][4], B the SwTile at shared address b, read K-major (TB = 0: the tile is Bᵀ,
+// [N][K]) or MN-major (TB = 1: the tile is B, [K][N]). acc and a belong to the tensor cores until
+// wg_wait: several products can be in flight while the warps compute something else.
 template <typename T, int N, int K, int R, int D, int TB>
-__device__ __forceinline__ void wg_mma(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
+__device__ __forceinline__ void wg_issue(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
     static_assert(TB ? (R == K && D == N) : (R == N && D == K), "the tile's shape is B's");
     fence_regs(acc);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -818,7 +819,19 @@ __device__ __forceinline__ void wg_mma(float (&acc)[N / 8][4], const u32 (&a)[K 
     for (int kk = 0; kk < K / 16; ++kk)
         Wgmma<T, N>::template run<TB>(acc, a[kk], TB ? SwTile<R, D>::mn_major(b, kk) : SwTile<R, D>::k_major(b, kk), 1);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// Waits until at most G of this warpgroup's issued products are still in flight (they complete
+// in order); fence_regs on an accumulator then hands it back to the warps.
+template <int G> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(G) : "memory");
+}
+
+// The product, waited for.
+template <typename T, int N, int K, int R, int D, int TB>
+__device__ __forceinline__ void wg_mma(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
+    wg_issue<T, N, K, R, D, TB>(acc, a, b);
+    wg_wait<0>();
     fence_regs(acc);
 }
 
@@ -865,9 +878,9 @@ template <int D> struct TcShape {
     static constexpr int fwd_k = D >= 128 ? 32 : 64;
     static constexpr int dkdv_q = D >= 128 ? 16 : 64;
     static constexpr int dq_k = D >= 128 ? 32 : 64;
-    // Resident blocks per SM the forward asks ptxas for at D = 64: 4 (up to 128 registers; it
-    // uses 137 without the bound, 3 blocks).
-    static constexpr int fwd_blocks = D == 64 ? 4 : 1;
+    // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers: two
+    // score tiles are live while the next one is computed).
+    static constexpr int fwd_blocks = D == 64 ? 3 : 1;
 };
 
 template <typename T, int D>
@@ -888,24 +901,39 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     const float sl2 = scale * kLog2e;
     const int k_end = min(n_k, min(m0 + kTcRows, n_q) - 1 + off + 1);  // keys some row of the block sees
     const int n_tiles = (k_end - 1) / BN + 1;
-    tile2_async<BN, D>(ks, k + base, vs, v + base, ld_kv, 0, n_k);
-    cp_async_commit();
+    // K runs one tile ahead of V: iteration it holds K(it + 1) and V(it) and issues the next
+    // scores S(it + 1) = Q·K(it + 1)ᵀ before the softmax of S(it), so that the tensor cores compute
+    // them while the warps exponentiate (flash-attention 3's overlap inside a warpgroup).
+    tile_async<BN, D>(ks, k + base, ld_kv, 0, n_k);
+    cp_async_commit();  // K(0)
+    if (n_tiles > 1) tile_async<BN, D>(ks + Tile::BYTES, k + base, ld_kv, BN, n_k);
+    tile_async<BN, D>(vs, v + base, ld_kv, 0, n_k);
+    cp_async_commit();  // K(1), V(0)
     u32 qa[D / 16][4];
     frag_load_a<T, D>(qa, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
     float o[D / 8][4];
     zero_acc(o);
     float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
+    cp_async_wait_group<1>();  // K(0)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    float s[BN / 8][4];
+    zero_acc(s);
+    wg_mma<T, BN, D, BN, D, 0>(s, qa, ks);
     for (int it = 0; it < n_tiles; ++it) {
         const int n0 = it * BN, buf = it & 1;
-        tiles_landed();  // tile it has landed for everyone, and everyone is done with tile it - 1
-        if (it + 1 < n_tiles) {
-            tile2_async<BN, D>(ks + (buf ^ 1) * Tile::BYTES, k + base, vs + (buf ^ 1) * Tile::BYTES, v + base, ld_kv,
-                               n0 + BN, n_k);
-            cp_async_commit();
+        // K(it + 1) and V(it) have landed for everyone, and everyone's S(it) and P·V(it - 1) are
+        // done: K(it)'s and V(it - 1)'s buffers take K(it + 2) and V(it + 1).
+        tiles_landed();
+        if (it + 2 < n_tiles) tile_async<BN, D>(ks + buf * Tile::BYTES, k + base, ld_kv, n0 + 2 * BN, n_k);
+        if (it + 1 < n_tiles) tile_async<BN, D>(vs + (buf ^ 1) * Tile::BYTES, v + base, ld_kv, n0 + BN, n_k);
+        cp_async_commit();
+        const bool next = it + 1 < n_tiles;
+        float sn[BN / 8][4];
+        if (next) {
+            zero_acc(sn);
+            wg_issue<T, BN, D, BN, D, 0>(sn, qa, ks + (buf ^ 1) * Tile::BYTES);
         }
-        float s[BN / 8][4];
-        zero_acc(s);
-        wg_mma<T, BN, D, BN, D, 0>(s, qa, ks + buf * Tile::BYTES);
         // some key of this tile is hidden from some row of this warp
         const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;
         float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
@@ -952,7 +980,16 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
         }
         u32 pa[BN / 16][4];
         c_to_a<T, BN>(pa, s);
-        wg_mma<T, D, BN, BN, D, 1>(o, pa, vs + buf * Tile::BYTES);
+        wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + buf * Tile::BYTES);
+        wg_wait<0>();
+        fence_regs(o);
+        if (next) {
+            fence_regs(sn);
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] = sn[j][e];
+        }
     }
 #pragma unroll
     for (int o_ = 1; o_ <= 2; o_ <<= 1) {
@@ -1024,9 +1061,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
         }
         // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
         const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
-        float p[BQ / 8][4];
+        // Sᵀ and dPᵀ are issued together; P is formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs.
+        float p[BQ / 8][4], ds[BQ / 8][4];
         zero_acc(p);
-        wg_mma<T, BQ, D, BQ, D, 0>(p, ka, qb);
+        zero_acc(ds);
+        wg_issue<T, BQ, D, BQ, D, 0>(p, ka, qb);
+        wg_issue<T, BQ, D, BQ, D, 0>(ds, va, gb);
+        wg_wait<1>();
+        fence_regs(p);
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j) {
             const float2 lq = *reinterpret_cast<const float2*>(&Ls[buf][j * 8 + 2 * c]);
@@ -1040,10 +1082,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
         }
         u32 pa[BQ / 16][4];
         c_to_a<T, BQ>(pa, p);
-        wg_mma<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);
-        float ds[BQ / 8][4];
-        zero_acc(ds);
-        wg_mma<T, BQ, D, BQ, D, 0>(ds, va, gb);
+        wg_wait<0>();
+        fence_regs(ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j) {
             const float2 dq = *reinterpret_cast<const float2*>(&Ds[buf][j * 8 + 2 * c]);
@@ -1052,8 +1093,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
             ds[j][2] = p[j][2] * (ds[j][2] - dq.x);
             ds[j][3] = p[j][3] * (ds[j][3] - dq.y);
         }
-        c_to_a<T, BQ>(pa, ds);
-        wg_mma<T, D, BQ, BQ, D, 1>(dk_acc, pa, qb);
+        u32 da[BQ / 16][4];
+        c_to_a<T, BQ>(da, ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);
+        wg_wait<0>();
+        fence_regs(dv_acc);
+        fence_regs(dk_acc);
     }
     frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
     frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
@@ -1102,9 +1147,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
             cp_async_commit();
         }
         const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
-        float p[BN / 8][4];
+        // S and dP are issued together; P is formed while dP runs.
+        float p[BN / 8][4], ds[BN / 8][4];
         zero_acc(p);
-        wg_mma<T, BN, D, BN, D, 0>(p, qa, kb);
+        zero_acc(ds);
+        wg_issue<T, BN, D, BN, D, 0>(p, qa, kb);
+        wg_issue<T, BN, D, BN, D, 0>(ds, ga, vb);
+        wg_wait<1>();
+        fence_regs(p);
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
@@ -1115,9 +1165,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
                 p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
             }
         }
-        float ds[BN / 8][4];
-        zero_acc(ds);
-        wg_mma<T, BN, D, BN, D, 0>(ds, ga, vb);
+        wg_wait<0>();
+        fence_regs(ds);
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
