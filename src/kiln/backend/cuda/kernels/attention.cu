@@ -605,7 +605,7 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
 // MN-major B (Y in X·Y, wgmma's transpose bit). Tiles arrive by cp.async into two buffers (tile i+1
 // in flight while tile i is computed); each thread fences its copies into the async proxy before
 // the barrier that publishes them to wgmma. Scores are kept in log2 units (scale·log2 e folded in)
-// so each exponential is one exp2f.
+// so each exponential is one ex2.
 //
 // Masks (every kernel): query row i sees key j iff j <= i + off and j < n_k; off = 0 is causal
 // self-attention, off > 0 a query block after its key block's start (context parallelism), and
@@ -623,6 +623,14 @@ template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float 
 template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<u32*>(&h);
+}
+
+// 2^x as one MUFU.EX2 (flush-to-zero; ex2(-inf) = 0): exp2f without fast math adds a denormal
+// fix-up around it, and these kernels' probabilities are rounded to 16 bits for the next product.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 template <typename T> __device__ __forceinline__ u32 ld32(const T* p) {
@@ -881,6 +889,8 @@ template <int D> struct TcShape {
     // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers: two
     // score tiles are live while the next one is computed).
     static constexpr int fwd_blocks = D == 64 ? 3 : 1;
+    // And dQ at D = 64: 3 (it uses 176 registers without the bound, 2 blocks).
+    static constexpr int dq_blocks = D == 64 ? 3 : 1;
 };
 
 template <typename T, int D>
@@ -956,16 +966,16 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
         const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
         // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
         const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
-        const float a_lo = exp2f(m_lo - sub_lo), a_hi = exp2f(m_hi - sub_hi);
+        const float a_lo = ex2(m_lo - sub_lo), a_hi = ex2(m_hi - sub_hi);
         m_lo = mn_lo;
         m_hi = mn_hi;
         float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
-            s[j][0] = exp2f(s[j][0] - sub_lo);
-            s[j][1] = exp2f(s[j][1] - sub_lo);
-            s[j][2] = exp2f(s[j][2] - sub_hi);
-            s[j][3] = exp2f(s[j][3] - sub_hi);
+            s[j][0] = ex2(s[j][0] - sub_lo);
+            s[j][1] = ex2(s[j][1] - sub_lo);
+            s[j][2] = ex2(s[j][2] - sub_hi);
+            s[j][3] = ex2(s[j][3] - sub_hi);
             sum_lo += s[j][0] + s[j][1];
             sum_hi += s[j][2] + s[j][3];
         }
@@ -1065,6 +1075,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
         float p[BQ / 8][4], ds[BQ / 8][4];
         zero_acc(p);
         zero_acc(ds);
+        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
         wg_issue<T, BQ, D, BQ, D, 0>(p, ka, qb);
         wg_issue<T, BQ, D, BQ, D, 0>(ds, va, gb);
         wg_wait<1>();
@@ -1076,7 +1087,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
             for (int e = 0; e < 4; ++e) {
                 const int col = j * 8 + 2 * c + (e & 1), query = q0 + col;
                 const int key = e < 2 ? key_lo : key_hi;
-                const float x = exp2f(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
+                const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
                 p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
             }
         }
@@ -1107,7 +1118,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
 // dQ for one block of 64 queries (each warp 16), walking the key tiles it sees:
 // S = Q·Kᵀ, P = exp(S - lse), dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K.
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
+__global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention_bwd_dq_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_q, int n_k, int off,
     int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq)) {
@@ -1151,6 +1162,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
         float p[BN / 8][4], ds[BN / 8][4];
         zero_acc(p);
         zero_acc(ds);
+        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
         wg_issue<T, BN, D, BN, D, 0>(p, qa, kb);
         wg_issue<T, BN, D, BN, D, 0>(ds, ga, vb);
         wg_wait<1>();
@@ -1161,7 +1173,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + j * 8 + 2 * c + (e & 1);
                 const int row = e < 2 ? r_lo : r_hi;
-                const float x = exp2f(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
+                const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
                 p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
             }
         }
