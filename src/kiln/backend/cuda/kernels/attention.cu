@@ -604,8 +604,11 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
 // row-major in 128-byte-swizzled rows (SwTile) and serves both as a K-major B (Y in X·Yᵀ) and as an
 // MN-major B (Y in X·Y, wgmma's transpose bit). Tiles arrive by cp.async into two buffers (tile i+1
 // in flight while tile i is computed); each thread fences its copies into the async proxy before
-// the barrier that publishes them to wgmma. Scores are kept in log2 units (scale·log2 e folded in)
-// so each exponential is one ex2.
+// the barrier that publishes them to wgmma. wgmma is asynchronous: a kernel issues the products
+// that do not wait on each other together and works on registers while they run (the forward's
+// next scores during this tile's softmax; S and dP together in the backward, dS during dV), then
+// waits for them (wg_issue / wg_wait). Scores are kept in log2 units (scale·log2 e folded in) so
+// each exponential is one ex2.
 //
 // Masks (every kernel): query row i sees key j iff j <= i + off and j < n_k; off = 0 is causal
 // self-attention, off > 0 a query block after its key block's start (context parallelism), and
