@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -105,3 +106,112 @@ def test_attention_reads_and_writes_packed_views(gpu, rng, shape, dtype):
     cref = cpu.attention_bwd(*(f64(gpu.to_numpy(a)) for a in (gc, qc, kc, vc, out_c, lse_c)), scale)
     for a, r in zip(into, cref):
         close(gpu, a, r, dtype, factor=10 if dtype == np.float32 else 2)
+
+
+def test_cpu_reference_of_blocks_matches_pytorch_with_an_explicit_mask():
+    """The CPU reference of context parallelism's blocks: q [Tq] against k, v [Tk], causal with an
+    offset (query i sees keys j <= i + offset) and full, output, lse and gradients."""
+    for tq, tk, causal, offset in ((5, 9, True, 4), (6, 4, True, 0), (7, 3, False, 0), (4, 4, True, 2)):
+        q, k, v = randn(2, 3, tq, 4), randn(2, 3, tk, 4), randn(2, 3, tk, 4)
+        g = randn(2, 3, tq, 4)
+        tq_, tk_, tv_ = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+        mask = torch.ones(tq, tk, dtype=torch.bool)
+        if causal:
+            mask = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + offset
+        ref = TF.scaled_dot_product_attention(tq_, tk_, tv_, attn_mask=mask, scale=0.3)
+        ref.backward(torch.tensor(g))
+        out, lse = cpu.attention_fwd(q, k, v, 0.3, causal=causal, offset=offset)
+        s = (torch.tensor(q) @ torch.tensor(k).transpose(-1, -2) * 0.3).masked_fill(~mask, -math.inf)
+        assert rel(out, ref.detach().numpy()) < 1e-13
+        assert rel(lse, torch.logsumexp(s, -1).numpy()) < 1e-13
+        grads = cpu.attention_bwd(g, q, k, v, out, lse, 0.3, causal=causal, offset=offset)
+        for got, want in zip(grads, (tq_, tk_, tv_)):
+            assert rel(got, want.grad.numpy()) < 1e-12
+
+
+# q rows, k rows, causal, offset: context parallelism's blocks (zigzag's half chunks against whole
+# ones and the reverse; a later query chunk against an earlier key chunk, causal with an offset),
+# and lengths off the tile sizes.
+BLOCKS = [(64, 128, False, 0), (128, 64, False, 0), (100, 37, False, 0), (96, 160, True, 64),
+          (130, 130, True, 0), (65, 200, True, 135), (200, 65, True, 3), (256, 512, True, 0)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_attention_blocks_of_other_lengths_and_offsets(gpu, rng, block, d, dtype):
+    tq, tk, causal, offset = block
+    q, g = (rand((2, 3, tq, d), dtype, rng) for _ in range(2))
+    k, v = (rand((2, 3, tk, d), dtype, rng) for _ in range(2))
+    scale = 1.0 / math.sqrt(d)
+    out, lse = gpu.attention_fwd(gpu.asarray(q), gpu.asarray(k), gpu.asarray(v), scale, causal=causal, offset=offset)
+    rout, rlse = cpu.attention_fwd(f64(q), f64(k), f64(v), scale, causal=causal, offset=offset)
+    close(gpu, out, rout, dtype, factor=5 if dtype == np.float32 else 1)
+    close(gpu, lse, rlse, np.float32, factor=5)
+    grads = gpu.attention_bwd(gpu.asarray(g), gpu.asarray(q), gpu.asarray(k), gpu.asarray(v), out, lse, scale,
+                              causal=causal, offset=offset)
+    refs = cpu.attention_bwd(f64(g), f64(q), f64(k), f64(v), f64(gpu.to_numpy(out)), f64(gpu.to_numpy(lse)), scale,
+                             causal=causal, offset=offset)
+    for got, ref in zip(grads, refs):
+        close(gpu, got, ref, dtype, factor=10 if dtype == np.float32 else 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["fp32", "bf16"])
+def test_context_parallel_blocks_on_the_gpu_equal_full_causal_attention(gpu, rng, zigzag, dtype):
+    """Ring attention's blocks and merge, every rank of W = 4 in one process on the GPU (the
+    kernels for unequal lengths and full blocks), equal causal attention over the whole sequence."""
+    from kiln.distributed.context_parallel import _backward_blocks, _forward_blocks, sequence_slices
+    w, b, h, t, d = 4, 2, 3, 512, 64
+    scale = 1.0 / math.sqrt(d)
+    q, k, v, g = (rand((b, h, t, d), dtype, rng) for _ in range(4))
+    xp = gpu.xp
+    shard = [np.concatenate([np.arange(s.start, s.stop) for s in sequence_slices(t, r, w, zigzag)]) for r in range(w)]
+    kv = [gpu.asarray(np.stack([k[:, :, i], v[:, :, i]])) for i in shard]
+    rout, rlse = cpu.attention_fwd(f64(q), f64(k), f64(v), scale)
+    rgrads = cpu.attention_bwd(f64(g), f64(q), f64(k), f64(v), rout, rlse, scale)
+    dkv = [xp.zeros((2, b, h, t // w, d), dtype=xp.float32) for _ in range(w)]
+    dq = np.zeros((b, h, t, d))
+    for r in range(w):
+        qr, gr = gpu.asarray(q[:, :, shard[r]]), gpu.asarray(g[:, :, shard[r]].astype(np.float32))
+        out = xp.zeros(qr.shape, dtype=xp.float32)
+        lse = xp.full(qr.shape[:-1], -xp.inf, dtype=xp.float32)
+        for source in range(w):
+            _forward_blocks(gpu, qr, kv[source], source, r, zigzag, scale, out, lse)
+        close(gpu, out, rout[:, :, shard[r]], dtype, factor=5 if dtype == np.float32 else 2)
+        dqr = xp.zeros(qr.shape, dtype=xp.float32)
+        for source in range(w):
+            _backward_blocks(gpu, gr, qr, kv[source], out, lse, source, r, zigzag, scale, dqr, dkv[source])
+        dq[:, :, shard[r]] = gpu.to_numpy(dqr)
+    close(gpu, dq, rgrads[0], dtype, factor=10 if dtype == np.float32 else 3)
+    for i in (0, 1):
+        got = np.zeros((b, h, t, d))
+        for r in range(w):
+            got[:, :, shard[r]] = gpu.to_numpy(dkv[r][i])
+        close(gpu, got, rgrads[1 + i], dtype, factor=10 if dtype == np.float32 else 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_attention_is_bitwise_repeatable(gpu, rng, dtype):
+    """Two runs of the forward and backward on the same inputs give the same bits (no atomics)."""
+    shape = (2, 4, 300, 64)
+    q, k, v, g = (gpu.asarray(rand(shape, dtype, rng)) for _ in range(4))
+    runs = []
+    for _ in range(2):
+        out, lse = gpu.attention_fwd(q, k, v, 0.125)
+        runs.append([gpu.to_numpy(a) for a in (out, lse, *gpu.attention_bwd(g, q, k, v, out, lse, 0.125))])
+    for a, b_ in zip(*runs):
+        assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
+
+
+def test_attention_rejects_a_negative_causal_offset_and_mismatched_blocks():
+    from kiln.backend.cuda.attention import _mask_offset
+    q, k = np.zeros((1, 2, 4, 8)), np.zeros((1, 2, 6, 8))
+    assert _mask_offset(q, k, False, 0) == 6 and _mask_offset(q, k, True, 2) == 2
+    with pytest.raises(ShapeError, match="offset .* must be >= 0, got -1"):
+        _mask_offset(q, k, True, -1)
+    with pytest.raises(ShapeError, match="k, v"):
+        _mask_offset(q, np.zeros((1, 3, 6, 8)), True, 0)

@@ -23,27 +23,28 @@ def _transposed(a):
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_mask(t: int, dtype) -> np.ndarray:
-    """[T, T]: 0 on and below the diagonal, -inf above it (read-only, shared)."""
-    m = np.triu(np.full((t, t), -np.inf, dtype=dtype), 1)
+def _causal_mask(tq: int, tk: int, offset: int, dtype) -> np.ndarray:
+    """[Tq, Tk]: 0 where key j <= query i + offset, -inf elsewhere (read-only, shared)."""
+    m = np.triu(np.full((tq, tk), -np.inf, dtype=dtype), 1 + offset)
     m.flags.writeable = False
     return m
 
 
-def _scores(q, k, scale, causal):
-    """scale * q @ k^T, masked when causal; the scale is applied to k^T ([D, T]), not to the [T, T] scores."""
+def _scores(q, k, scale, causal, offset):
+    """scale * q @ k^T, masked when causal; the scale is applied to k^T ([D, Tk]), not to the [Tq, Tk] scores."""
     kt = _transposed(k)
     kt *= scale
     s = q @ kt
     if causal:
-        s += _causal_mask(q.shape[-2], s.dtype)
+        s += _causal_mask(q.shape[-2], k.shape[-2], offset, s.dtype)
     return s
 
 
-def attention_fwd(q, k, v, scale, causal=True):
-    """(out, lse) for q [B, H, Tq, D] and k, v [B, H, Tk, D]; causal (Tq == Tk) or, for context
-    parallelism's off-diagonal blocks (§4.3), every query sees every key."""
-    s = _scores(_c(q), _c(k), scale, causal)
+def attention_fwd(q, k, v, scale, causal=True, offset=0):
+    """(out, lse) for q [B, H, Tq, D] and k, v [B, H, Tk, D]; causal (query i sees keys
+    j <= i + offset: offset 0 with Tq == Tk is self-attention) or, for context parallelism's
+    off-diagonal blocks (§4.3), every query sees every key. offset >= 0: no row is empty."""
+    s = _scores(_c(q), _c(k), scale, causal, offset)
     m = s.max(axis=-1, keepdims=True)
     s -= m
     p = np.exp(s, out=s)
@@ -54,11 +55,12 @@ def attention_fwd(q, k, v, scale, causal=True):
     return out.astype(q.dtype, copy=False), lse
 
 
-def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True):
-    """(dq, dk, dv) from the saved inputs, output and log-sum-exp; copied into `into` = (dq, dk, dv)
-    when given (views of one packed gradient, as the CUDA kernels write them)."""
+def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset=0):
+    """(dq, dk, dv) from the saved inputs, output and log-sum-exp (the mask as attention_fwd's);
+    copied into `into` = (dq, dk, dv) when given (views of one packed gradient, as the CUDA
+    kernels write them)."""
     g, qc, kc, vc = _c(grad), _c(q), _c(k), _c(v)
-    s = _scores(qc, kc, scale, causal)
+    s = _scores(qc, kc, scale, causal, offset)
     s -= lse[..., None]
     p = np.exp(s, out=s)
     dv = np.swapaxes(p, -1, -2) @ g

@@ -1,9 +1,12 @@
-"""Causal attention, fused (online softmax, flash-attention style), forward and backward.
+"""Attention, fused (online softmax, flash-attention style), forward and backward: causal
+self-attention, and context parallelism's blocks (a query chunk against a key/value chunk of
+another length: full, or causal with an offset).
 
-q, k, v are [B, H, T, D] with D in ATTENTION_HEAD_DIMS (compile-time specialised); other head
-dims and float64 run the CPU reference on a host copy. float32 runs on the CUDA cores (strict
-fp32, register-tiled, 64 threads per block); bfloat16 and float16 run the tensor-core kernels
-(`*_tc`: mma.sync, fp32 accumulation), 64 query (or key) rows per block of 128 threads.
+q is [B, H, Tq, D] and k, v [B, H, Tk, D] with D in ATTENTION_HEAD_DIMS (compile-time
+specialised); other head dims and float64 run the CPU reference on a host copy. float32 runs on
+the CUDA cores (strict fp32, register-tiled, 64 threads per block); bfloat16 and float16 run the
+tensor-core kernels (`*_tc`: Hopper wgmma, fp32 accumulation), 64 query (or key) rows per block
+of one warpgroup (128 threads).
 
 The kernels take every operand as it lies in memory: a [B, H, T, D] view with any batch, head
 and row strides (unit stride along D), so q, k, v can be views of c_attn's packed [B, T, 3, H, D]
@@ -18,11 +21,11 @@ from kiln.backend.cpu import attention as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
 from kiln.backend.cuda.launch import cdiv, cpu_fallback, ctype, f32, get_kernel, i32, i64
-from kiln.errors import NotBuiltError, ShapeError
+from kiln.errors import ShapeError
 
 ATTENTION_HEAD_DIMS = (32, 64, 128)
-TC_ROWS = 64  # rows per block in every tensor-core kernel: 4 warps x 16 (kTcRows)
-TC_THREADS = 128  # tensor-core kernels: 4 warps (kAttnThreads)
+TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 warps x 16 (kTcRows)
+TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
 
 
@@ -115,69 +118,90 @@ def _args(*strides):
     return tuple(i64(x) for s in strides for x in s)
 
 
-def _causal_only(causal: bool) -> None:
+def _mask_offset(q, k, causal: bool, offset: int) -> int:
+    """The kernels' `off` (query i sees key j iff j <= i + off): `offset` when causal, the key
+    length (every key) when not."""
+    if q.ndim != 4 or k.ndim != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ShapeError(f"attention needs q [B, H, Tq, D] and k, v [B, H, Tk, D], got {q.shape} and {k.shape}")
+    if k.shape[2] < 1:
+        raise ShapeError(f"attention needs at least one key, got k of shape {k.shape}")
     if not causal:
-        raise NotBuiltError("the CUDA attention kernels are causal only: the full (non-causal) blocks of "
-                            "ring/all-gather context parallelism need a kernel not built yet; on the GPU use "
-                            "the all_to_all (Ulysses) transport, which runs the causal kernel")
+        return k.shape[2]
+    if offset < 0:
+        raise ShapeError(f"causal attention's offset (query i sees keys j <= i + offset) must be >= 0, got {offset}")
+    return int(offset)
 
 
-def attention_fwd(q, k, v, scale, causal=True):
-    """(out [B, H, T, D] in q's dtype, laid out [B, T, H, D]; lse [B, H, T] float32) for causal attention."""
-    _causal_only(causal)
+def attention_fwd(q, k, v, scale, causal=True, offset=0):
+    """(out [B, H, Tq, D] in q's dtype, laid out [B, Tq, H, D]; lse [B, H, Tq] float32) of q
+    [B, H, Tq, D] against k, v [B, H, Tk, D]: causal (query i sees keys j <= i + offset) or full."""
+    off = _mask_offset(q, k, causal, offset)
     if not _usable(q):
-        return cpu_fallback(cpu.attention_fwd, q, k, v, scale)
+        return cpu_fallback(cpu.attention_fwd, q, k, v, scale, causal, offset)
     _check(q)
     cp = rt.cupy()
     t = ctype(q.dtype)
     tc = _tensor_cores(t)
-    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)])
-    b, h, n_t, d = q.shape
+    (q,), qs = _layout([q])
+    (k, v), kvs = _layout([a.astype(q.dtype, copy=False) for a in (k, v)])
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
     out = _bthd(q.shape, q.dtype)
-    lse = cp.empty((b, h, n_t), dtype=cp.float32)
+    lse = cp.empty((b, h, n_q), dtype=cp.float32)
     if tc:
         name, bq, threads = f"attention_fwd_tc<{t}, {d}>", TC_ROWS, TC_THREADS
     else:
         name, bq, threads = f"attention_fwd<{t}, {d}>", block_rows(d)[0], F32_THREADS
-    get_kernel("attention.cu", name)((cdiv(n_t, bq), b * h), (threads,),
-                                     (q, k, v, out, lse, i32(n_t), i32(h), f32(scale), *_args(qs, _strides(out))))
+    get_kernel("attention.cu", name)((cdiv(n_q, bq), b * h), (threads,),
+                                     (q, k, v, out, lse, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale),
+                                      *_args(qs, kvs, _strides(out))))
     return out, lse
 
 
-def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True):
-    """(dq, dk, dv) recomputed from q, k, v, out and lse; written into `into` = (dq, dk, dv) when given
-    (views of one packed gradient, say), else into new [B, H, T, D] arrays laid out [B, T, H, D]."""
-    _causal_only(causal)
+def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset=0):
+    """(dq, dk, dv) recomputed from q, k, v, out and lse (the mask as attention_fwd's); written
+    into `into` = (dq, dk, dv) when given (views of one packed gradient, say), else into new
+    arrays of q's and k's shapes laid out [B, T, H, D]."""
+    off = _mask_offset(q, k, causal, offset)
     if not _usable(q):
-        grads = cpu_fallback(cpu.attention_bwd, grad, q, k, v, out, lse, scale)
+        grads = cpu_fallback(cpu.attention_bwd, grad, q, k, v, out, lse, scale, None, causal, offset)
         return _fill(into, grads)
     _check(q)
     cp = rt.cupy()
     t = ctype(q.dtype)
     tc = _tensor_cores(t)
-    (q, k, v), qs = _layout([a.astype(q.dtype, copy=False) for a in (q, k, v)])
+    (q,), qs = _layout([q])
+    (k, v), kvs = _layout([a.astype(q.dtype, copy=False) for a in (k, v)])
     (out, grad), os_ = _layout([a.astype(q.dtype, copy=False) for a in (out, grad)])
     lse = cp.ascontiguousarray(lse.astype(cp.float32, copy=False))
-    b, h, n_t, d = q.shape
-    dests = into
-    gs = None if into is None or any(a.dtype != q.dtype for a in into) else _strides(into[0])
-    if gs is None or any(_strides(a) != gs for a in into):  # kernels write fresh arrays (copied into `into`)
-        dests = [_bthd(q.shape, q.dtype) for _ in range(3)]
-        gs = _strides(dests[0])
-    dq, dk, dv = dests
-    delta = cp.empty((b, h, n_t), dtype=cp.float32)
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    (dq,), dqs = _destinations(None if into is None else into[:1], q)
+    (dk, dv), dkvs = _destinations(None if into is None else into[1:], k, 2)
+    delta = cp.empty((b, h, n_q), dtype=cp.float32)
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
-        (cdiv(b * h * n_t, 8),), (256,), (grad, out, delta, i64(b * h * n_t), i32(n_t), i32(h), *_args(os_)))
+        (cdiv(b * h * n_q, 8),), (256,), (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
     if tc:
         suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS
     else:
         (_, bk, bq), suffix, threads = block_rows(d), "", F32_THREADS
-    strides = _args(qs, os_, gs)
+    common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, os_))
     get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
-        (cdiv(n_t, bk), b * h), (threads,), (q, k, v, grad, lse, delta, dk, dv, i32(n_t), i32(h), f32(scale), *strides))
+        (cdiv(n_k, bk), b * h), (threads,), (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs)))
     get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
-        (cdiv(n_t, bq), b * h), (threads,), (q, k, v, grad, lse, delta, dq, i32(n_t), i32(h), f32(scale), *strides))
+        (cdiv(n_q, bq), b * h), (threads,), (q, k, v, grad, lse, delta, dq, *common, *_args(dqs)))
     return _fill(into, (dq, dk, dv))
+
+
+def _destinations(into, like, n=1):
+    """(n arrays the kernels write, their shared strides): `into` itself when every array of it is
+    in `like`'s dtype and one kernel-readable layout, else fresh ones (copied into `into` later)."""
+    if into is not None and all(a.dtype == like.dtype for a in into):
+        first = _strides(into[0])
+        if first is not None and all(_strides(a) == first for a in into):
+            return list(into), first
+    fresh = [_bthd(like.shape, like.dtype) for _ in range(n)]
+    return fresh, _strides(fresh[0])
 
 
 def _fill(into, grads):

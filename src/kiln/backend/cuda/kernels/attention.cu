@@ -1,19 +1,25 @@
-// Causal scaled-dot-product attention, fused, fp32 accumulation, templated on the head dim D.
-// q/k/v/out/grad/dq/dk/dv are [B, H, T, D] with unit stride along D and any batch, head and row
-// strides, passed per operand group (Layout): q, k, v and the packed gradients can be views of
-// one [B, T, 3, H, D] buffer and out/grad views of [B, T, H, D], with no permute copies.
-// lse and delta are [B, H, T] fp32 contiguous (lse of the scaled scores).
+// Scaled-dot-product attention, fused, fp32 accumulation, templated on the head dim D: causal
+// self-attention, and the blocks of context parallelism (a query chunk of n_q rows against a
+// key/value chunk of n_k rows, causal with an offset or full: the mask `off` below).
+// q/out/grad/dq are [B, H, n_q, D] and k/v/dk/dv [B, H, n_k, D], with unit stride along D and any
+// batch, head and row strides, passed per operand group (Layout: q; k and v; out and grad; dq;
+// dk and dv): q, k, v and the packed gradients can be views of one [B, T, 3, H, D] buffer and
+// out/grad views of [B, T, H, D], with no permute copies. lse and delta are [B, H, n_q] fp32
+// contiguous (lse of the scaled scores).
+// Mask: query row i sees key j iff j <= i + off (and j < n_k): off = 0 is causal self-attention,
+// off > 0 a query chunk that starts off positions after its key chunk, off = n_k full attention.
+// off >= 0 (the launcher checks), so every row sees key 0 and no softmax is empty.
 //
 // Forward (flash-attention's online softmax, Dao et al. 2022): a block owns a block of query
-// rows of one (b, h) and walks the key/value tiles up to its last row; never more than one tile
-// of scores exists, so memory is O(T) and T = 16384 is fine.
+// rows of one (b, h) and walks the key/value tiles up to the last key its last row sees; never
+// more than one tile of scores exists, so memory is O(T) and T = 16384 is fine.
 // Backward recomputes the probabilities from lse: `attention_bwd_delta` forms
 // delta = rowsum(dO * O); `attention_bwd_dkdv` owns a block of keys and walks the query tiles
-// at or after it; `attention_bwd_dq` owns a block of queries and walks the key tiles up to
-// it. Each output element is written by one thread with a fixed summation order: no atomics,
+// that see it; `attention_bwd_dq` owns a block of queries and walks the key tiles it sees.
+// Each output element is written by one thread with a fixed summation order: no atomics,
 // deterministic. float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
-// bfloat16 and float16 take the tensor-core kernels (`*_tc`) at the end of this file, which keep
-// the same structure.
+// bfloat16 and float16 take the tensor-core kernels (`*_tc`, Hopper wgmma) at the end of this
+// file, which keep the same structure.
 #include "common.cuh"
 
 using namespace kiln;
@@ -240,7 +246,8 @@ __device__ __forceinline__ void f32_store_row(float* __restrict__ dst, const flo
 template <typename T, int D>
 __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
     attention_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-                  float* __restrict__ lse, int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o)) {
+                  float* __restrict__ lse, int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q),
+                  KILN_LAYOUT(kv), KILN_LAYOUT(o)) {
     using S = F32Shape<D>;
     constexpr int TM = S::TM, TN = S::TN, TE = S::TE, BN = S::BN, BQ = 2 * S::WM;
     constexpr int LDK = D + 4, LDP = BQ + 4;
@@ -249,20 +256,22 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
     __shared__ __align__(16) float Vs[BN * D];    // value tile, [key][d]
     __shared__ __align__(16) float Pt[BN * LDP];  // probabilities, [key][row] (each warp its rows)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mg = f32_mg(lane), ng = f32_ng(lane);
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh);
+    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
     const float* kb = k + base;
     const float* vb = v + base;
-    const int ld = (int)in_st;
+    const int ld = (int)kv_st;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int rl = warp * S::WM + mg * TM;              // this thread's first row in the block
     const int row0 = q0 + rl;
     const int warp_row0 = q0 + warp * S::WM;
-    const int n_tiles = (min(q0 + BQ, n_t) - 1) / BN + 1;
-    f32_rows_async<BN, D, LDK>(Ks, kb, ld, 0, n_t);
+    const int k_end = min(n_k, min(q0 + BQ, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    f32_rows_async<BN, D, LDK>(Ks, kb, ld, 0, n_k);
     cp_async_commit();
-    f32_rows_async<BN, D, D>(Vs, vb, ld, 0, n_t);
+    f32_rows_async<BN, D, D>(Vs, vb, ld, 0, n_k);
     cp_async_commit();
-    f32_load_t<BQ, D>(Qt, q + base, ld, q0, n_t, scale * kF32Log2e);  // scores in log2 units
+    f32_load_t<BQ, D>(Qt, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, q0, n_q,
+                      scale * kF32Log2e);  // scores in log2 units
     float m[TM], l[TM], o[TM][TE];
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
@@ -276,18 +285,20 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
         __syncthreads();           // ... for everyone (and Qt, at t = 0)
         // A warp whose rows all precede this tile's keys skips it. Every warp takes tile 0, whose
         // key 0 is valid for every row, so m is finite from then on (no -inf - -inf).
-        const bool active = k0 <= warp_row0 + S::WM - 1;
+        const bool active = k0 <= warp_row0 + S::WM - 1 + off;
         if (active) {
             float s[TM][TN];
             f32_zero(s);
             f32_mma_abt<TM, TN, D, BQ, LDK>(s, Qt + rl, Ks + ng * LDK);
-            const bool diag = k0 + BN - 1 > warp_row0;  // some key of the tile follows some row of the warp
+            // some key of the tile is hidden from some row of the warp
+            const bool diag = k0 + BN - 1 > warp_row0 + off || k0 + BN > n_k;
 #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 float mx = -KILN_INF;
 #pragma unroll
                 for (int j = 0; j < TN; ++j) {
-                    if (diag && k0 + ng + 8 * j > row0 + i) s[i][j] = -KILN_INF;
+                    const int key = k0 + ng + 8 * j;
+                    if (diag && (key > row0 + i + off || key >= n_k)) s[i][j] = -KILN_INF;
                     mx = fmaxf(mx, s[i][j]);
                 }
                 const float mn = fmaxf(m[i], ng_max(mx));
@@ -312,13 +323,13 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
         cp_async_wait_group<0>();  // V(t) has landed
         __syncthreads();           // ... for everyone; everyone is done with Ks; Pt is written
         if (t + 1 < n_tiles) {
-            f32_rows_async<BN, D, LDK>(Ks, kb, ld, k0 + BN, n_t);
+            f32_rows_async<BN, D, LDK>(Ks, kb, ld, k0 + BN, n_k);
             cp_async_commit();
         }
         if (active) f32_mma_ab<TM, TE, BN, LDP, D>(o, Pt + rl, Vs + ng * 4);
         __syncthreads();  // everyone is done with Vs (and its Pt)
         if (t + 1 < n_tiles) {
-            f32_rows_async<BN, D, D>(Vs, vb, ld, k0 + BN, n_t);
+            f32_rows_async<BN, D, D>(Vs, vb, ld, k0 + BN, n_k);
             cp_async_commit();
         }
     }
@@ -328,9 +339,9 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
     for (int i = 0; i < TM; ++i) {
         const float lt = ng_sum(l[i]);
         const int row = row0 + i;
-        if (row < n_t) {
+        if (row < n_q) {
             f32_store_row<TE>(ob + (row * ldo + ng * 4), o[i], 1.0f / lt);
-            if (ng == 0) lse[(long long)blockIdx.y * n_t + row] = (m[i] + log2f(lt)) * kF32Ln2;
+            if (ng == 0) lse[(long long)blockIdx.y * n_q + row] = (m[i] + log2f(lt)) * kF32Ln2;
         }
     }
 }
@@ -358,7 +369,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-    int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
+    int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o),
+    KILN_LAYOUT(dkv)) {
     using S = F32Shape<D>;
     constexpr int TM = S::TM, TN = S::TN, TE = S::TE, BN = S::BN, BK = S::WM;
     constexpr int LDQ = D + 4, LDP = BK + 4;
@@ -371,22 +383,24 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dkdv
     __shared__ __align__(16) float Ls[BN];
     __shared__ __align__(16) float Ds[BN];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mg = f32_mg(lane), ng = f32_ng(lane);
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), rbase = (long long)blockIdx.y * n_t;
-    const float* qb = q + base;
+    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh), rbase = (long long)blockIdx.y * n_q;
+    const float* qb = q + head_offset(blockIdx.y, n_h, q_sb, q_sh);
     const float* gb = grad + head_offset(blockIdx.y, n_h, o_sb, o_sh);
-    const int ld = (int)in_st, ldo = (int)o_st;
+    const int ld = (int)q_st, ldo = (int)o_st;
     const int k0 = blockIdx.x * BK;  // the first keys see the most queries: they launch first
     const int kl = mg * TM;          // this thread's first key in the block
-    const int q_begin = (k0 / BN) * BN;
-    const int n_tiles = (n_t - q_begin + BN - 1) / BN;
+    const int q_begin = (max(k0 - off, 0) / BN) * BN;  // the first query tile that sees key k0
+    const int n_tiles = q_begin < n_q ? (n_q - q_begin + BN - 1) / BN : 0;
     const float sl2 = scale * kF32Log2e;  // exponentials in log2 units
-    f32_rows_async<BN, D, LDQ>(Qs, qb, ld, q_begin, n_t);
-    f32_rows_async<BN, D, LDQ>(Gs, gb, ldo, q_begin, n_t);
-    f32_vec_async<BN>(Ls, lse + rbase, q_begin, n_t);
-    f32_vec_async<BN>(Ds, delta + rbase, q_begin, n_t);
-    cp_async_commit();
-    f32_load_t<BK, D>(Kt, k + base, ld, k0, n_t, 1.0f);
-    f32_load_t<BK, D>(Vt, v + base, ld, k0, n_t, 1.0f);
+    if (n_tiles > 0) {
+        f32_rows_async<BN, D, LDQ>(Qs, qb, ld, q_begin, n_q);
+        f32_rows_async<BN, D, LDQ>(Gs, gb, ldo, q_begin, n_q);
+        f32_vec_async<BN>(Ls, lse + rbase, q_begin, n_q);
+        f32_vec_async<BN>(Ds, delta + rbase, q_begin, n_q);
+        cp_async_commit();
+    }
+    f32_load_t<BK, D>(Kt, k + base, (int)kv_st, k0, n_k, 1.0f);
+    f32_load_t<BK, D>(Vt, v + base, (int)kv_st, k0, n_k, 1.0f);
     // Warp 0: Sᵀ = K·Qᵀ -> Pᵀ, then dV += Pᵀ·dO. Warp 1: dPᵀ = V·dOᵀ -> dSᵀ, then dK += dSᵀ·Q.
     const float* a1 = (warp ? Vt : Kt) + kl;
     const float* b1 = (warp ? Gs : Qs) + ng * LDQ;
@@ -402,8 +416,8 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dkdv
         f32_zero(s);
         f32_mma_abt<TM, TN, D, BK, LDQ>(s, a1, b1);
         if (warp == 0) {
-            // Masks only where some query precedes some key of the block, or past n_t.
-            const bool edge = i0 < k0 + BK - 1 || i0 + BN > n_t;
+            // Masks only where some query misses some key of the block, or past n_q.
+            const bool edge = i0 + off < k0 + BK - 1 || i0 + BN > n_q;
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
                 const int qi = ng + 8 * j, query = i0 + qi;
@@ -411,7 +425,7 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dkdv
 #pragma unroll
                 for (int i = 0; i < TM; ++i) {
                     const float p = exp2f(s[i][j] * sl2 - lq);
-                    s[i][j] = (!edge || (k0 + kl + i <= query && query < n_t)) ? p : 0.0f;
+                    s[i][j] = (!edge || (k0 + kl + i <= query + off && query < n_q)) ? p : 0.0f;
                 }
 #pragma unroll
                 for (int i = 0; i < TM; i += 4)
@@ -437,28 +451,28 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dkdv
         __syncthreads();  // everyone is done with this query tile
         if (it + 1 < n_tiles) {
             const int i1 = i0 + BN;
-            f32_rows_async<BN, D, LDQ>(Qs, qb, ld, i1, n_t);
-            f32_rows_async<BN, D, LDQ>(Gs, gb, ldo, i1, n_t);
-            f32_vec_async<BN>(Ls, lse + rbase, i1, n_t);
-            f32_vec_async<BN>(Ds, delta + rbase, i1, n_t);
+            f32_rows_async<BN, D, LDQ>(Qs, qb, ld, i1, n_q);
+            f32_rows_async<BN, D, LDQ>(Gs, gb, ldo, i1, n_q);
+            f32_vec_async<BN>(Ls, lse + rbase, i1, n_q);
+            f32_vec_async<BN>(Ds, delta + rbase, i1, n_q);
             cp_async_commit();
         }
     }
-    T* dst = (warp ? dk : dv) + head_offset(blockIdx.y, n_h, g_sb, g_sh);
+    T* dst = (warp ? dk : dv) + head_offset(blockIdx.y, n_h, dkv_sb, dkv_sh);
     const float mul = warp ? scale : 1.0f;
-    const int ldg = (int)g_st;
+    const int ldg = (int)dkv_st;
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int key = k0 + kl + i;
-        if (key < n_t) f32_store_row<TE>(dst + (key * ldg + ng * 4), acc[i], mul);
+        if (key < n_k) f32_store_row<TE>(dst + (key * ldg + ng * 4), acc[i], mul);
     }
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
-    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, int n_h, float scale,
-    KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_q, int n_k, int off,
+    int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq)) {
     using S = F32Shape<D>;
     constexpr int TM = S::TM, TN = S::TN, TE = S::TE, BN = S::BN, BQ = S::WM, HN = BN / 2;
     constexpr int LDK = D + 4, LDP = BQ + 4;
@@ -470,24 +484,25 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
     __shared__ __align__(16) float Ss[BN * LDP];  // dS, [key][row]
     static_assert(BQ * D <= BN * LDK, "the partial dQ of warp 1 goes through Ks");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, mg = f32_mg(lane), ng = f32_ng(lane);
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), rbase = (long long)blockIdx.y * n_t;
+    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh), rbase = (long long)blockIdx.y * n_q;
     const float* kb = k + base;
     const float* vb = v + base;
-    const int ld = (int)in_st;
+    const int ld = (int)kv_st;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
     const int rl = mg * TM;                             // this thread's first row in the block
     const int row0 = q0 + rl;
-    const int n_tiles = (min(q0 + BQ, n_t) - 1) / BN + 1;
-    f32_rows_async<BN, D, LDK>(Ks, kb, ld, 0, n_t);
-    f32_rows_async<BN, D, LDK>(Vs, vb, ld, 0, n_t);
+    const int k_end = min(n_k, min(q0 + BQ, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    f32_rows_async<BN, D, LDK>(Ks, kb, ld, 0, n_k);
+    f32_rows_async<BN, D, LDK>(Vs, vb, ld, 0, n_k);
     cp_async_commit();
-    f32_load_t<BQ, D>(Qt, q + base, ld, q0, n_t, 1.0f);
-    f32_load_t<BQ, D>(Gt, grad + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, q0, n_t, 1.0f);
+    f32_load_t<BQ, D>(Qt, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, q0, n_q, 1.0f);
+    f32_load_t<BQ, D>(Gt, grad + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, q0, n_q, 1.0f);
     // Warp 0: S = Q·Kᵀ -> P (needs lse). Warp 1: dP = dO·Vᵀ -> dS = P∘(dP - delta) (needs delta).
     const float* rvec = warp ? delta : lse;
     float rv[TM];
 #pragma unroll
-    for (int i = 0; i < TM; ++i) rv[i] = row0 + i < n_t ? rvec[rbase + row0 + i] : 0.0f;
+    for (int i = 0; i < TM; ++i) rv[i] = row0 + i < n_q ? rvec[rbase + row0 + i] : 0.0f;
     const float sl2 = scale * kF32Log2e;  // exponentials in log2 units: warp 0 takes lse log2 e
     float lr[TM];
 #pragma unroll
@@ -504,14 +519,14 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
         f32_zero(s);
         f32_mma_abt<TM, TN, D, BQ, LDK>(s, a1, b1);
         if (warp == 0) {
-            const bool diag = k0 + BN - 1 > q0;  // keys past n_t only occur in such a tile
+            const bool diag = k0 + BN - 1 > q0 + off || k0 + BN > n_k;  // some key hidden from some row
 #pragma unroll
             for (int j = 0; j < TN; ++j) {
                 const int key = k0 + ng + 8 * j;
 #pragma unroll
                 for (int i = 0; i < TM; ++i) {
                     const float p = exp2f(s[i][j] * sl2 - lr[i]);
-                    s[i][j] = (!diag || key <= row0 + i) ? p : 0.0f;
+                    s[i][j] = (!diag || (key <= row0 + i + off && key < n_k)) ? p : 0.0f;
                 }
 #pragma unroll
                 for (int i = 0; i < TM; i += 4)
@@ -520,7 +535,7 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
         }
         __syncthreads();  // P is written; everyone is done with Vs
         if (t + 1 < n_tiles) {
-            f32_rows_async<BN, D, LDK>(Vs, vb, ld, k0 + BN, n_t);
+            f32_rows_async<BN, D, LDK>(Vs, vb, ld, k0 + BN, n_k);
             cp_async_commit();
         }
         if (warp == 1) {
@@ -541,7 +556,7 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
         f32_mma_ab<TM, TE, HN, LDP, LDK>(acc, Ss + warp * HN * LDP + rl, Ks + warp * HN * LDK + ng * 4);
         __syncthreads();  // everyone is done with Ks and dS
         if (t + 1 < n_tiles) {
-            f32_rows_async<BN, D, LDK>(Ks, kb, ld, k0 + BN, n_t);
+            f32_rows_async<BN, D, LDK>(Ks, kb, ld, k0 + BN, n_k);
             cp_async_commit();
         }
     }
@@ -556,8 +571,8 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
     }
     __syncthreads();
     if (warp == 0) {
-        T* db = dq + head_offset(blockIdx.y, n_h, g_sb, g_sh);
-        const int ldg = (int)g_st;
+        T* db = dq + head_offset(blockIdx.y, n_h, dq_sb, dq_sh);
+        const int ldg = (int)dq_st;
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
 #pragma unroll
@@ -568,31 +583,40 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks) attention_bwd_dq(
                 acc[i][e + 2] += x.z;
                 acc[i][e + 3] += x.w;
             }
-            if (row0 + i < n_t) f32_store_row<TE>(db + ((row0 + i) * ldg + ng * 4), acc[i], scale);
+            if (row0 + i < n_q) f32_store_row<TE>(db + ((row0 + i) * ldg + ng * 4), acc[i], scale);
         }
     }
 }
 
-// ---- Tensor-core path for bf16 / fp16: mma.sync.m16n8k16, fp32 accumulation ----------------
+// ---- Tensor-core path for bf16 / fp16: Hopper wgmma, fp32 accumulation -----------------------
 //
 // The same three-kernel structure (forward; dK/dV per key block; dQ per query block, delta from
-// attention_bwd_delta), each warp owning 16 rows and every product on the tensor cores.
-// Fragment layouts of mma.m16n8k16 (PTX ISA), lane = 4 g + c:
-//   A 16x16, row-major:  a[0] = (g, 2c..2c+1)  a[1] = (g+8, 2c..)  a[2] = (g, 2c+8..)  a[3] = (g+8, 2c+8..)
-//   B 16x8 (k x n):      b[0] = (k 2c..2c+1, n g)                   b[1] = (k 2c+8.., n g)
-//   C 16x8, fp32:        c[0..1] = (g, 2c..2c+1)                    c[2..3] = (g+8, 2c..2c+1)
-// The C fragments of two adjacent 16x8 score tiles are exactly the A fragment of the next
-// product (flash-attention 2's register reuse: P never touches memory). Every streamed tile
-// (K, V in the forward and dQ; Q, dO in dK/dV) stays row-major in shared memory: B fragments of
-// Yᵀ for Y stored [n][k] come from ldmatrix.x4, and those of Y stored [k][n] (V in P·V, dO in
-// Pᵀ·dO, Q in dSᵀ·Q, K in dS·K) from ldmatrix.x4.trans, four 8x8 matrices (two mma's worth) per
-// instruction. Tiles arrive by cp.async into two buffers: tile i+1 is in flight while tile i is
-// computed, so the block does not idle on global latency. Row strides are padded by 8
-// elements (16 bytes), which keeps both ldmatrix forms free of bank conflicts.
-// Scores are kept in log2 units (scale·log2 e folded in) so each exponential is one exp2f.
+// attention_bwd_delta). A block is one warpgroup (4 warps, 128 threads) owning 64 rows, and every
+// product is one wgmma.mma_async per 16 of the reduction: A (the block's rows) from registers, B
+// (the streamed tile) from shared memory. The accumulator of m64nNk16 gives warp w rows 16w..16w+15
+// in mma.m16n8's C layout, and its A-from-registers layout is mma.m16n8k16's, lane = 4 g + c:
+//   A 16x16:  a[0] = (g, 2c..2c+1)  a[1] = (g+8, 2c..)  a[2] = (g, 2c+8..)  a[3] = (g+8, 2c+8..)
+//   C 16x8:   c[0..1] = (g, 2c..2c+1)                   c[2..3] = (g+8, 2c..2c+1)
+// so the C fragments of two adjacent 16x8 score tiles are the A fragment of the next product
+// (flash-attention 2's register reuse: P never touches memory). B is read from shared memory once
+// per 64 rows (mma.sync read it once per warp, 16 rows: 4x the shared-memory traffic, the old
+// kernels' bound). Every streamed tile (K, V in the forward and dQ; Q, dO in dK/dV) is stored
+// row-major in 128-byte-swizzled rows (SwTile) and serves both as a K-major B (Y in X·Yᵀ) and as an
+// MN-major B (Y in X·Y, wgmma's transpose bit). Tiles arrive by cp.async into two buffers (tile i+1
+// in flight while tile i is computed); each thread fences its copies into the async proxy before
+// the barrier that publishes them to wgmma. wgmma is asynchronous: a kernel issues the products
+// that do not wait on each other together and works on registers while they run (the forward's
+// next scores during this tile's softmax; S and dP together in the backward, dS during dV), then
+// waits for them (wg_issue / wg_wait). Scores are kept in log2 units (scale·log2 e folded in) so
+// each exponential is one ex2.
+//
+// Masks (every kernel): query row i sees key j iff j <= i + off and j < n_k; off = 0 is causal
+// self-attention, off > 0 a query block after its key block's start (context parallelism), and
+// off = n_k full attention. off >= 0, so key 0 is seen by every row: no row's softmax is empty.
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+using u64 = unsigned long long;
 
 template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
 template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
@@ -604,139 +628,233 @@ template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
     return *reinterpret_cast<u32*>(&h);
 }
 
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1);
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const u32 (&a)[4], u32 b0,
-                                                        u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// 2^x as one MUFU.EX2 (flush-to-zero; ex2(-inf) = 0): exp2f without fast math adds a denormal
+// fix-up around it, and these kernels' probabilities are rounded to 16 bits for the next product.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 template <typename T> __device__ __forceinline__ u32 ld32(const T* p) {
     return *reinterpret_cast<const u32*>(p);
 }
 
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
+// A row-major [R, D] tile of 16-bit elements in shared memory, as wgmma reads it: column blocks
+// of CW = min(D, 64) elements ([D / CW][R][CW], rows of SW = 2 CW bytes), each 16-byte chunk of
+// a row XOR-swizzled by the row (Swizzle<log2(SW/16), 4, 3>: address bits 7.. into bits 4..), so
+// that the 8 rows of an 8 x SW-byte atom hit distinct banks. The tile's base is 1024-byte aligned.
+template <int R, int D> struct SwTile {
+    static constexpr int CW = D < 64 ? D : 64;
+    static constexpr int SW = 2 * CW;
+    static constexpr int BYTES = R * D * 2;
+    static_assert(R % 16 == 0 && D % 32 == 0 && BYTES % 1024 == 0, "tiles of whole swizzle atoms");
+    // The byte offset of chunk ch (elements 8 ch..8 ch+7) of row r.
+    static __device__ __forceinline__ u32 chunk(int r, int ch) {
+        const u32 o = (u32)((ch / (CW / 8)) * R * SW + r * SW + (ch % (CW / 8)) * 16);
+        return o ^ (((o >> 7) & (SW / 16 - 1)) << 4);
+    }
+    // wgmma shared-memory descriptor (PTX ISA, "matrix descriptor"): start, leading and stride
+    // byte offsets >> 4, swizzle mode in bits 62-63 (1: 128 B, 2: 64 B).
+    static __device__ __forceinline__ u64 desc(u32 start, u32 lbo, u32 sbo) {
+        constexpr u64 mode = SW == 128 ? 1 : 2;
+        return (u64)((start & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (mode << 62);
+    }
+    // B of X·Yᵀ (this tile is Y: rows are N, columns the reduction), k-step kk (columns 16 kk..):
+    // K-major; 8-row groups SBO = 8 SW apart, the k offset inside the swizzled row.
+    static __device__ __forceinline__ u64 k_major(u32 base, int kk) {
+        return desc(base + (kk * 16 / CW) * R * SW + (kk * 16 % CW) * 2, 16, 8 * SW);
+    }
+    // B of X·Y (this tile is Y: rows are the reduction, columns N), k-step kk (rows 16 kk..):
+    // MN-major; column blocks LBO = R SW apart, 8-row groups SBO = 8 SW apart.
+    static __device__ __forceinline__ u64 mn_major(u32 base, int kk) {
+        return desc(base + kk * 16 * SW, R * SW, 8 * SW);
+    }
+};
 
-// Starts copying rows [r0, r0 + R) of a [n_t, D] matrix with row stride ld into dst [R][D + 8]
-// (zeros past n_t); the caller commits the group.
-template <typename T, int R, int D>
-__device__ __forceinline__ void tile_async(T (*dst)[D + 8], const T* __restrict__ src, int ld, int r0, int n_t) {
-    constexpr int CH = D / 8;              // 16-byte chunks per row
-    constexpr int RS = kAttnThreads / CH;  // rows per pass of the block
-    static_assert(kAttnThreads % CH == 0 && R % RS == 0, "tile chunks must divide among the threads");
-    const int r = threadIdx.x / CH, col = (threadIdx.x % CH) * 8;
-    const T* p = src + ((r0 + r) * ld + col);
+// Starts copying rows [r0, r0 + R) of a [n, D] matrix with row stride ld into the SwTile at
+// shared address dst (zeros past n); the caller commits the group.
+template <int R, int D, typename T>
+__device__ __forceinline__ void tile_async(u32 dst, const T* __restrict__ src, int ld, int r0, int n) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    static_assert((R * CH) % kAttnThreads == 0, "tile chunks must divide among the threads");
 #pragma unroll
-    for (int it = 0; it < R / RS; ++it) {
-        const bool ok = r0 + r + it * RS < n_t;
-        cp_async16(smem_addr(&dst[r + it * RS][col]), ok ? p + it * RS * ld : src, ok);
+    for (int it = 0; it < R * CH / kAttnThreads; ++it) {
+        const int i = it * kAttnThreads + threadIdx.x, r = i / CH, ch = i % CH;
+        const bool ok = r0 + r < n;
+        cp_async16(dst + SwTile<R, D>::chunk(r, ch), src + ((ok ? r0 + r : 0) * ld + ch * 8), ok);
     }
 }
 
 // The same for two matrices of one layout (K and V): the offsets are computed once for both.
-template <typename T, int R, int D>
-__device__ __forceinline__ void tile2_async(T (*dst_a)[D + 8], const T* __restrict__ a, T (*dst_b)[D + 8],
-                                            const T* __restrict__ b, int ld, int r0, int n_t) {
+template <int R, int D, typename T>
+__device__ __forceinline__ void tile2_async(u32 dst_a, const T* __restrict__ a, u32 dst_b, const T* __restrict__ b,
+                                            int ld, int r0, int n) {
     constexpr int CH = D / 8;
     static_assert((R * CH) % kAttnThreads == 0, "tile chunks must divide among the threads");
 #pragma unroll
     for (int it = 0; it < R * CH / kAttnThreads; ++it) {
-        const int i = it * kAttnThreads + threadIdx.x, r = i / CH, col = (i % CH) * 8;
-        const bool ok = r0 + r < n_t;
-        const int off = (ok ? r0 + r : 0) * ld + col;
-        cp_async16(smem_addr(&dst_a[r][col]), a + off, ok);
-        cp_async16(smem_addr(&dst_b[r][col]), b + off, ok);
+        const int i = it * kAttnThreads + threadIdx.x, r = i / CH, ch = i % CH;
+        const bool ok = r0 + r < n;
+        const int off = (ok ? r0 + r : 0) * ld + ch * 8;
+        const u32 s = SwTile<R, D>::chunk(r, ch);
+        cp_async16(dst_a + s, a + off, ok);
+        cp_async16(dst_b + s, b + off, ok);
     }
 }
 
-// The same for R floats [r0, r0 + R) of a vector (zeros past n_t).
+// The same for R floats [r0, r0 + R) of a vector (zeros past n), plain layout.
 template <int R>
-__device__ __forceinline__ void vec_async(float* dst, const float* __restrict__ src, int r0, int n_t) {
+__device__ __forceinline__ void vec_async(float* dst, const float* __restrict__ src, int r0, int n) {
     for (int i = threadIdx.x; i < R; i += kAttnThreads) {
-        const bool ok = r0 + i < n_t;
+        const bool ok = r0 + i < n;
         cp_async4(smem_addr(dst + i), src + (ok ? r0 + i : 0), ok);
     }
 }
 
+// Waits for this thread's copies and makes them visible to wgmma (the async proxy); the
+// barrier after it publishes everyone's.
+__device__ __forceinline__ void tiles_landed() {
+    cp_async_wait_all();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+}
+
+// The first 1024-byte-aligned shared address in a static buffer (declared 1024 bytes longer).
+__device__ __forceinline__ u32 align1024(const void* p) { return (smem_addr(p) + 1023u) & ~1023u; }
+
 // The A fragments of 16 rows [row0, row0 + 16) x D (row stride ld) straight from global memory
-// (zeros past n_t).
+// (zeros past n).
 template <typename T, int D>
 __device__ __forceinline__ void frag_load_a(u32 (&a)[D / 16][4], const T* __restrict__ src, int ld, int row0,
-                                            int n_t) {
+                                            int n) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int r_lo = row0 + g, r_hi = row0 + g + 8;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const int col = kk * 16 + 2 * c;
-        a[kk][0] = r_lo < n_t ? ld32(src + (r_lo * ld + col)) : 0u;
-        a[kk][1] = r_hi < n_t ? ld32(src + (r_hi * ld + col)) : 0u;
-        a[kk][2] = r_lo < n_t ? ld32(src + (r_lo * ld + col + 8)) : 0u;
-        a[kk][3] = r_hi < n_t ? ld32(src + (r_hi * ld + col + 8)) : 0u;
+        a[kk][0] = r_lo < n ? ld32(src + (r_lo * ld + col)) : 0u;
+        a[kk][1] = r_hi < n ? ld32(src + (r_hi * ld + col)) : 0u;
+        a[kk][2] = r_lo < n ? ld32(src + (r_lo * ld + col + 8)) : 0u;
+        a[kk][3] = r_hi < n ? ld32(src + (r_hi * ld + col + 8)) : 0u;
     }
 }
 
-// acc[N/8][4] += A[16, K] · Bᵀ where A is given as fragments a[K/16][4] and B is stored [N][LD]
-// row-major in shared memory at byte address b (N rows of K used columns). One ldmatrix.x4
-// gives the two B fragments of n-tiles j and j + 1: lanes 0-7 address (rows j*8.., k lo),
-// 8-15 (j*8.., k hi), 16-23 (j*8+8.., k lo), 24-31 (j*8+8.., k hi).
-template <typename T, int N, int K, int LD>
-__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "tiles of 16");
-    const int lane = threadIdx.x & 31;
-    const u32 lane_b = b + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * (int)sizeof(T);
-#pragma unroll
-    for (int j = 0; j < N / 8; j += 2) {
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk) {
-            u32 f[4];
-            ldsm_x4(f, lane_b + (j * 8 * LD + kk * 16) * (int)sizeof(T));
-            mma16816<T>(acc[j], a[kk], f[0], f[1]);
-            mma16816<T>(acc[j + 1], a[kk], f[2], f[3]);
-        }
+// wgmma.mma_async m64nNk16, A from registers, B by descriptor, fp32 accumulators c[N/8][4];
+// TB = 1 takes B MN-major (wgmma's transpose bit), acc = 0 overwrites c.
+template <typename T, int N> struct Wgmma;
+template <> struct Wgmma<__nv_bfloat16, 16> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[2][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, %13;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
     }
+};
+template <> struct Wgmma<__half, 16> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[2][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, %13;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 32> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[4][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %21;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
+    }
+};
+template <> struct Wgmma<__half, 32> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[4][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %21;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 64> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[8][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
+    }
+};
+template <> struct Wgmma<__half, 64> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[8][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 128> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[16][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3]), "+f"(c[8][0]), "+f"(c[8][1]), "+f"(c[8][2]), "+f"(c[8][3]), "+f"(c[9][0]), "+f"(c[9][1]), "+f"(c[9][2]), "+f"(c[9][3]), "+f"(c[10][0]), "+f"(c[10][1]), "+f"(c[10][2]), "+f"(c[10][3]), "+f"(c[11][0]), "+f"(c[11][1]), "+f"(c[11][2]), "+f"(c[11][3]), "+f"(c[12][0]), "+f"(c[12][1]), "+f"(c[12][2]), "+f"(c[12][3]), "+f"(c[13][0]), "+f"(c[13][1]), "+f"(c[13][2]), "+f"(c[13][3]), "+f"(c[14][0]), "+f"(c[14][1]), "+f"(c[14][2]), "+f"(c[14][3]), "+f"(c[15][0]), "+f"(c[15][1]), "+f"(c[15][2]), "+f"(c[15][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
+    }
+};
+template <> struct Wgmma<__half, 128> {
+    template <int TB> static __device__ __forceinline__ void run(float (&c)[16][4], const u32 (&a)[4], u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3]), "+f"(c[8][0]), "+f"(c[8][1]), "+f"(c[8][2]), "+f"(c[8][3]), "+f"(c[9][0]), "+f"(c[9][1]), "+f"(c[9][2]), "+f"(c[9][3]), "+f"(c[10][0]), "+f"(c[10][1]), "+f"(c[10][2]), "+f"(c[10][3]), "+f"(c[11][0]), "+f"(c[11][1]), "+f"(c[11][2]), "+f"(c[11][3]), "+f"(c[12][0]), "+f"(c[12][1]), "+f"(c[12][2]), "+f"(c[12][3]), "+f"(c[13][0]), "+f"(c[13][1]), "+f"(c[13][2]), "+f"(c[13][3]), "+f"(c[14][0]), "+f"(c[14][1]), "+f"(c[14][2]), "+f"(c[14][3]), "+f"(c[15][0]), "+f"(c[15][1]), "+f"(c[15][2]), "+f"(c[15][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB), "r"(acc));
+    }
+};
+
+// Keeps the compiler from moving reads or writes of these registers across the asm around them
+// (wgmma's accumulators are written asynchronously, until wgmma.wait_group).
+template <int N> __device__ __forceinline__ void fence_regs(float (&c)[N][4]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(c[j][e])::"memory");
 }
 
-// acc[N/8][4] += P[16, K] · B where P is given as C fragments p[K/8][4] (fp32, rounded to T here)
-// and B is stored [K][LD] row-major in shared memory at byte address b (K rows of N used
-// columns). ldmatrix.x4.trans: lanes 0-7 address (k rows kk*16.., n j*8), 8-15 (k rows kk*16+8..,
-// n j*8), 16-23 (kk*16.., n j*8+8), 24-31 (kk*16+8.., n j*8+8).
-template <typename T, int N, int K, int LD>
-__device__ __forceinline__ void mma_pb(float (&acc)[N / 8][4], const float (&p)[K / 8][4], u32 b) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "tiles of 16");
-    const int lane = threadIdx.x & 31;
-    const u32 lane_b = b + (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8) * (int)sizeof(T);
+// acc[N/8][4] += A[64, K] · B for the block's warpgroup, issued (not waited for): A given as
+// fragments a[K/16][4], B the SwTile at shared address b, read K-major (TB = 0: the tile is Bᵀ,
+// [N][K]) or MN-major (TB = 1: the tile is B, [K][N]). acc and a belong to the tensor cores until
+// wg_wait: several products can be in flight while the warps compute something else.
+template <typename T, int N, int K, int R, int D, int TB>
+__device__ __forceinline__ void wg_issue(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
+    static_assert(TB ? (R == K && D == N) : (R == N && D == K), "the tile's shape is B's");
+    fence_regs(acc);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+        Wgmma<T, N>::template run<TB>(acc, a[kk], TB ? SwTile<R, D>::mn_major(b, kk) : SwTile<R, D>::k_major(b, kk), 1);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Waits until at most G of this warpgroup's issued products are still in flight (they complete
+// in order); fence_regs on an accumulator then hands it back to the warps.
+template <int G> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(G) : "memory");
+}
+
+// The product, waited for.
+template <typename T, int N, int K, int R, int D, int TB>
+__device__ __forceinline__ void wg_mma(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
+    wg_issue<T, N, K, R, D, TB>(acc, a, b);
+    wg_wait<0>();
+    fence_regs(acc);
+}
+
+// The A fragments of P[16, K] given as C fragments p[K/8][4] (fp32), rounded to T.
+template <typename T, int K>
+__device__ __forceinline__ void c_to_a(u32 (&a)[K / 16][4], const float (&p)[K / 8][4]) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
-        const u32 a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                          pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                          pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-#pragma unroll
-        for (int j = 0; j < N / 8; j += 2) {
-            u32 f[4];
-            ldsm_x4_t(f, lane_b + (kk * 16 * LD + j * 8) * (int)sizeof(T));
-            mma16816<T>(acc[j], a, f[0], f[1]);
-            mma16816<T>(acc[j + 1], a, f[2], f[3]);
-        }
+        a[kk][0] = pack2<T>(p[2 * kk][0], p[2 * kk][1]);
+        a[kk][1] = pack2<T>(p[2 * kk][2], p[2 * kk][3]);
+        a[kk][2] = pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[kk][3] = pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
     }
 }
 
@@ -746,26 +864,23 @@ template <int N> __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
 }
 
 // Rows [row0, row0 + 16) of acc (C fragments, [16, D]) times `mul`, stored as T (row stride ld)
-// where row < n_t.
+// where row < n.
 template <typename T, int D>
-__device__ __forceinline__ void frag_store(T* __restrict__ dst, int ld, const float (&acc)[D / 8][4], int row0,
-                                           int n_t,
+__device__ __forceinline__ void frag_store(T* __restrict__ dst, int ld, const float (&acc)[D / 8][4], int row0, int n,
                                            float mul_lo, float mul_hi) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int r_lo = row0 + g, r_hi = row0 + g + 8;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
         const int col = j * 8 + 2 * c;
-        if (r_lo < n_t)
-            *reinterpret_cast<u32*>(dst + (r_lo * ld + col)) =
-                pack2<T>(acc[j][0] * mul_lo, acc[j][1] * mul_lo);
-        if (r_hi < n_t)
-            *reinterpret_cast<u32*>(dst + (r_hi * ld + col)) =
-                pack2<T>(acc[j][2] * mul_hi, acc[j][3] * mul_hi);
+        if (r_lo < n)
+            *reinterpret_cast<u32*>(dst + (r_lo * ld + col)) = pack2<T>(acc[j][0] * mul_lo, acc[j][1] * mul_lo);
+        if (r_hi < n)
+            *reinterpret_cast<u32*>(dst + (r_hi * ld + col)) = pack2<T>(acc[j][2] * mul_hi, acc[j][3] * mul_hi);
     }
 }
 
-constexpr int kTcRows = KILN_ATTN_TC_ROWS;  // rows per block in every tensor-core kernel: 4 warps x 16
+constexpr int kTcRows = KILN_ATTN_TC_ROWS;  // rows per block in every tensor-core kernel: one warpgroup, 4 x 16
 
 template <int D> struct TcShape {
     // Rows per streamed tile: keys in the forward and dQ, queries in dK/dV. Two buffers of two
@@ -774,47 +889,66 @@ template <int D> struct TcShape {
     static constexpr int fwd_k = D >= 128 ? 32 : 64;
     static constexpr int dkdv_q = D >= 128 ? 16 : 64;
     static constexpr int dq_k = D >= 128 ? 32 : 64;
-    // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers). 4
-    // (128 registers) fitted the contiguous-only kernel but spills one register with strides.
+    // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers: two
+    // score tiles are live while the next one is computed).
     static constexpr int fwd_blocks = D == 64 ? 3 : 1;
+    // And dQ at D = 64: 3 (it uses 176 registers without the bound, 2 blocks).
+    static constexpr int dq_blocks = D == 64 ? 3 : 1;
 };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-                     float* __restrict__ lse, int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o)) {
-    constexpr int BN = TcShape<D>::fwd_k, LD = D + 8;
-    __shared__ __align__(16) T Ks[2][BN][LD];
-    __shared__ __align__(16) T Vs[2][BN][LD];
+                     float* __restrict__ lse, int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q),
+                     KILN_LAYOUT(kv), KILN_LAYOUT(o)) {
+    constexpr int BN = TcShape<D>::fwd_k;
+    using Tile = SwTile<BN, D>;
+    __shared__ __align__(1024) unsigned char smem[4 * Tile::BYTES + 1024];  // K[2], V[2]
+    const u32 ks = align1024(smem), vs = ks + 2 * Tile::BYTES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     // k + base, v + base each time (not offset pointers kept live): at D = 64 every register counts
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh);
-    const int ld_in = (int)in_st;
+    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
+    const int ld_kv = (int)kv_st;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;  // the longest rows first
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
-    const int q_last = min(m0 + kTcRows, n_t) - 1;
-    const int n_tiles = q_last / BN + 1;
-    tile2_async<T, BN, D>(Ks[0], k + base, Vs[0], v + base, ld_in, 0, n_t);
-    cp_async_commit();
+    const int k_end = min(n_k, min(m0 + kTcRows, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    // K runs one tile ahead of V: iteration it holds K(it + 1) and V(it) and issues the next
+    // scores S(it + 1) = Q·K(it + 1)ᵀ before the softmax of S(it), so that the tensor cores compute
+    // them while the warps exponentiate (flash-attention 3's overlap inside a warpgroup).
+    tile_async<BN, D>(ks, k + base, ld_kv, 0, n_k);
+    cp_async_commit();  // K(0)
+    if (n_tiles > 1) tile_async<BN, D>(ks + Tile::BYTES, k + base, ld_kv, BN, n_k);
+    tile_async<BN, D>(vs, v + base, ld_kv, 0, n_k);
+    cp_async_commit();  // K(1), V(0)
     u32 qa[D / 16][4];
-    frag_load_a<T, D>(qa, q + base, ld_in, row0, n_t);
+    frag_load_a<T, D>(qa, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
     float o[D / 8][4];
     zero_acc(o);
     float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
+    cp_async_wait_group<1>();  // K(0)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    float s[BN / 8][4];
+    zero_acc(s);
+    wg_mma<T, BN, D, BN, D, 0>(s, qa, ks);
     for (int it = 0; it < n_tiles; ++it) {
         const int n0 = it * BN, buf = it & 1;
-        cp_async_wait_all();
-        __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
-        if (it + 1 < n_tiles) {
-            tile2_async<T, BN, D>(Ks[buf ^ 1], k + base, Vs[buf ^ 1], v + base, ld_in, n0 + BN, n_t);
-            cp_async_commit();
+        // K(it + 1) and V(it) have landed for everyone, and everyone's S(it) and P·V(it - 1) are
+        // done: K(it)'s and V(it - 1)'s buffers take K(it + 2) and V(it + 1).
+        tiles_landed();
+        if (it + 2 < n_tiles) tile_async<BN, D>(ks + buf * Tile::BYTES, k + base, ld_kv, n0 + 2 * BN, n_k);
+        if (it + 1 < n_tiles) tile_async<BN, D>(vs + (buf ^ 1) * Tile::BYTES, v + base, ld_kv, n0 + BN, n_k);
+        cp_async_commit();
+        const bool next = it + 1 < n_tiles;
+        float sn[BN / 8][4];
+        if (next) {
+            zero_acc(sn);
+            wg_issue<T, BN, D, BN, D, 0>(sn, qa, ks + (buf ^ 1) * Tile::BYTES);
         }
-        if (n0 > row0 + 15) continue;  // every key of this tile is after every row of this warp
-        float s[BN / 8][4];
-        zero_acc(s);
-        mma_abt<T, BN, D, LD>(s, qa, smem_addr(&Ks[buf][0][0]));
-        const bool diag = n0 + BN - 1 > row0;  // some key of this tile is after some row of this warp
+        // some key of this tile is hidden from some row of this warp
+        const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;
         float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
@@ -822,7 +956,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + j * 8 + 2 * c + (e & 1);
                 const int row = e < 2 ? r_lo : r_hi;
-                s[j][e] = (diag && key > row) ? -KILN_INF : s[j][e] * sl2;
+                s[j][e] = (edge && (key > row + off || key >= n_k)) ? -KILN_INF : s[j][e] * sl2;
             }
             mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
             mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
@@ -835,16 +969,16 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
         const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
         // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
         const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
-        const float a_lo = exp2f(m_lo - sub_lo), a_hi = exp2f(m_hi - sub_hi);
+        const float a_lo = ex2(m_lo - sub_lo), a_hi = ex2(m_hi - sub_hi);
         m_lo = mn_lo;
         m_hi = mn_hi;
         float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
-            s[j][0] = exp2f(s[j][0] - sub_lo);
-            s[j][1] = exp2f(s[j][1] - sub_lo);
-            s[j][2] = exp2f(s[j][2] - sub_hi);
-            s[j][3] = exp2f(s[j][3] - sub_hi);
+            s[j][0] = ex2(s[j][0] - sub_lo);
+            s[j][1] = ex2(s[j][1] - sub_lo);
+            s[j][2] = ex2(s[j][2] - sub_hi);
+            s[j][3] = ex2(s[j][3] - sub_hi);
             sum_lo += s[j][0] + s[j][1];
             sum_hi += s[j][2] + s[j][3];
         }
@@ -857,77 +991,98 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
             o[j][2] *= a_hi;
             o[j][3] *= a_hi;
         }
-        mma_pb<T, D, BN, LD>(o, s, smem_addr(&Vs[buf][0][0]));
+        u32 pa[BN / 16][4];
+        c_to_a<T, BN>(pa, s);
+        wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + buf * Tile::BYTES);
+        wg_wait<0>();
+        fence_regs(o);
+        if (next) {
+            fence_regs(sn);
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] = sn[j][e];
+        }
     }
 #pragma unroll
     for (int o_ = 1; o_ <= 2; o_ <<= 1) {
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
     }
-    frag_store<T, D>(out + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, o, row0, n_t, 1.0f / l_lo, 1.0f / l_hi);
+    frag_store<T, D>(out + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, o, row0, n_q, 1.0f / l_lo, 1.0f / l_hi);
     if (c == 0) {
-        const long long lb = (long long)blockIdx.y * n_t;
-        if (r_lo < n_t) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
-        if (r_hi < n_t) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
+        const long long lb = (long long)blockIdx.y * n_q;
+        if (r_lo < n_q) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
+        if (r_hi < n_q) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
     }
 }
 
-// dK, dV for one block of 64 keys (each warp 16), walking the query tiles at or after it:
+// dK, dV for one block of 64 keys (each warp 16), walking the query tiles that see it:
 // Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ - lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ - delta), dK += dSᵀ·Q.
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-    int n_t, int n_h, float scale, KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
-    constexpr int BQ = TcShape<D>::dkdv_q, LD = D + 8;
-    __shared__ __align__(16) T Qs[2][BQ][LD];
-    __shared__ __align__(16) T Gs[2][BQ][LD];
+    int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o),
+    KILN_LAYOUT(dkv)) {
+    constexpr int BQ = TcShape<D>::dkdv_q;
+    using Tile = SwTile<BQ, D>;
+    __shared__ __align__(1024) unsigned char smem[4 * Tile::BYTES + 1024];  // Q[2], dO[2]
     __shared__ __align__(16) float Ls[2][BQ];
     __shared__ __align__(16) float Ds[2][BQ];
+    const u32 qs = align1024(smem), gs = qs + 2 * Tile::BYTES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh), gbase = head_offset(blockIdx.y, n_h, g_sb, g_sh);
-    q += base;
-    k += base;
-    v += base;
+    q += head_offset(blockIdx.y, n_h, q_sb, q_sh);
+    const long long kvbase = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
+    k += kvbase;
+    v += kvbase;
     grad += head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    const long long gbase = head_offset(blockIdx.y, n_h, dkv_sb, dkv_sh);
     dk += gbase;
     dv += gbase;
-    lse += (long long)blockIdx.y * n_t;
-    delta += (long long)blockIdx.y * n_t;
-    const int ld_in = (int)in_st, ld_o = (int)o_st, ld_g = (int)g_st;
+    lse += (long long)blockIdx.y * n_q;
+    delta += (long long)blockIdx.y * n_q;
+    const int ld_q = (int)q_st, ld_o = (int)o_st;
     const int n0 = blockIdx.x * kTcRows;  // the first key blocks walk the most query tiles: launched first
     const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
     const float sl2 = scale * kLog2e;
-    const int q_begin = (n0 / BQ) * BQ;
-    const int n_tiles = (n_t - q_begin + BQ - 1) / BQ;
-    tile_async<T, BQ, D>(Qs[0], q, ld_in, q_begin, n_t);
-    tile_async<T, BQ, D>(Gs[0], grad, ld_o, q_begin, n_t);
-    vec_async<BQ>(Ls[0], lse, q_begin, n_t);
-    vec_async<BQ>(Ds[0], delta, q_begin, n_t);
-    cp_async_commit();
+    const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
+    const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+    if (n_tiles > 0) {
+        tile_async<BQ, D>(qs, q, ld_q, q_begin, n_q);
+        tile_async<BQ, D>(gs, grad, ld_o, q_begin, n_q);
+        vec_async<BQ>(Ls[0], lse, q_begin, n_q);
+        vec_async<BQ>(Ds[0], delta, q_begin, n_q);
+        cp_async_commit();
+    }
     u32 ka[D / 16][4], va[D / 16][4];
-    frag_load_a<T, D>(ka, k, ld_in, key0, n_t);
-    frag_load_a<T, D>(va, v, ld_in, key0, n_t);
+    frag_load_a<T, D>(ka, k, (int)kv_st, key0, n_k);
+    frag_load_a<T, D>(va, v, (int)kv_st, key0, n_k);
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     zero_acc(dk_acc);
     zero_acc(dv_acc);
     for (int it = 0; it < n_tiles; ++it) {
         const int q0 = q_begin + it * BQ, buf = it & 1;
-        cp_async_wait_all();
-        __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
+        const u32 qb = qs + buf * Tile::BYTES, gb = gs + buf * Tile::BYTES;
+        tiles_landed();  // tile it has landed for everyone, and everyone is done with tile it - 1
         if (it + 1 < n_tiles) {
-            tile_async<T, BQ, D>(Qs[buf ^ 1], q, ld_in, q0 + BQ, n_t);
-            tile_async<T, BQ, D>(Gs[buf ^ 1], grad, ld_o, q0 + BQ, n_t);
-            vec_async<BQ>(Ls[buf ^ 1], lse, q0 + BQ, n_t);
-            vec_async<BQ>(Ds[buf ^ 1], delta, q0 + BQ, n_t);
+            tile_async<BQ, D>(qs + (buf ^ 1) * Tile::BYTES, q, ld_q, q0 + BQ, n_q);
+            tile_async<BQ, D>(gs + (buf ^ 1) * Tile::BYTES, grad, ld_o, q0 + BQ, n_q);
+            vec_async<BQ>(Ls[buf ^ 1], lse, q0 + BQ, n_q);
+            vec_async<BQ>(Ds[buf ^ 1], delta, q0 + BQ, n_q);
             cp_async_commit();
         }
-        if (q0 + BQ - 1 < key0) continue;  // every query of this tile is before every key of this warp
-        // Masks are needed only where some query precedes some key, or past n_t.
-        const bool edge = q0 < key0 + 15 || q0 + BQ > n_t;
-        float p[BQ / 8][4];
+        // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
+        const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
+        // Sᵀ and dPᵀ are issued together; P is formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs.
+        float p[BQ / 8][4], ds[BQ / 8][4];
         zero_acc(p);
-        mma_abt<T, BQ, D, LD>(p, ka, smem_addr(&Qs[buf][0][0]));
+        zero_acc(ds);
+        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
+        wg_issue<T, BQ, D, BQ, D, 0>(p, ka, qb);
+        wg_issue<T, BQ, D, BQ, D, 0>(ds, va, gb);
+        wg_wait<1>();
+        fence_regs(p);
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j) {
             const float2 lq = *reinterpret_cast<const float2*>(&Ls[buf][j * 8 + 2 * c]);
@@ -935,14 +1090,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
             for (int e = 0; e < 4; ++e) {
                 const int col = j * 8 + 2 * c + (e & 1), query = q0 + col;
                 const int key = e < 2 ? key_lo : key_hi;
-                const float x = exp2f(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
-                p[j][e] = (!edge || (key <= query && query < n_t)) ? x : 0.0f;
+                const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
+                p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
             }
         }
-        mma_pb<T, D, BQ, LD>(dv_acc, p, smem_addr(&Gs[buf][0][0]));
-        float ds[BQ / 8][4];
-        zero_acc(ds);
-        mma_abt<T, BQ, D, LD>(ds, va, smem_addr(&Gs[buf][0][0]));
+        u32 pa[BQ / 16][4];
+        c_to_a<T, BQ>(pa, p);
+        wg_wait<0>();
+        fence_regs(ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j) {
             const float2 dq = *reinterpret_cast<const float2*>(&Ds[buf][j * 8 + 2 * c]);
@@ -951,74 +1107,81 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
             ds[j][2] = p[j][2] * (ds[j][2] - dq.x);
             ds[j][3] = p[j][3] * (ds[j][3] - dq.y);
         }
-        mma_pb<T, D, BQ, LD>(dk_acc, ds, smem_addr(&Qs[buf][0][0]));
+        u32 da[BQ / 16][4];
+        c_to_a<T, BQ>(da, ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);
+        wg_wait<0>();
+        fence_regs(dv_acc);
+        fence_regs(dk_acc);
     }
-    frag_store<T, D>(dk, ld_g, dk_acc, key0, n_t, scale, scale);
-    frag_store<T, D>(dv, ld_g, dv_acc, key0, n_t, 1.0f, 1.0f);
+    frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
+    frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
 }
 
-// dQ for one block of 64 queries (each warp 16), walking the key tiles up to it:
+// dQ for one block of 64 queries (each warp 16), walking the key tiles it sees:
 // S = Q·Kᵀ, P = exp(S - lse), dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K.
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
+__global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention_bwd_dq_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
-    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_t, int n_h,
-    float scale, KILN_LAYOUT(in), KILN_LAYOUT(o), KILN_LAYOUT(g)) {
-    constexpr int BN = TcShape<D>::dq_k, LD = D + 8;
-    __shared__ __align__(16) T Ks[2][BN][LD];
-    __shared__ __align__(16) T Vs[2][BN][LD];
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_q, int n_k, int off,
+    int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq)) {
+    constexpr int BN = TcShape<D>::dq_k;
+    using Tile = SwTile<BN, D>;
+    __shared__ __align__(1024) unsigned char smem[4 * Tile::BYTES + 1024];  // K[2], V[2]
+    const u32 ks = align1024(smem), vs = ks + 2 * Tile::BYTES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const long long base = head_offset(blockIdx.y, n_h, in_sb, in_sh);
-    q += base;
-    k += base;
-    v += base;
-    grad += head_offset(blockIdx.y, n_h, o_sb, o_sh);
-    dq += head_offset(blockIdx.y, n_h, g_sb, g_sh);
-    lse += (long long)blockIdx.y * n_t;
-    delta += (long long)blockIdx.y * n_t;
-    const int ld_in = (int)in_st, ld_o = (int)o_st, ld_g = (int)g_st;
+    const long long kvbase = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
+    k += kvbase;
+    v += kvbase;
+    lse += (long long)blockIdx.y * n_q;
+    delta += (long long)blockIdx.y * n_q;
+    const int ld_kv = (int)kv_st;
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
-    const int q_last = min(m0 + kTcRows, n_t) - 1;
-    const int n_tiles = q_last / BN + 1;
-    tile2_async<T, BN, D>(Ks[0], k, Vs[0], v, ld_in, 0, n_t);
+    const int k_end = min(n_k, min(m0 + kTcRows, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    tile2_async<BN, D>(ks, k, vs, v, ld_kv, 0, n_k);
     cp_async_commit();
     u32 qa[D / 16][4], ga[D / 16][4];
-    frag_load_a<T, D>(qa, q, ld_in, row0, n_t);
-    frag_load_a<T, D>(ga, grad, ld_o, row0, n_t);
-    const float lse_lo = r_lo < n_t ? lse[r_lo] * kLog2e : 0.0f;
-    const float lse_hi = r_hi < n_t ? lse[r_hi] * kLog2e : 0.0f;
-    const float dl_lo = r_lo < n_t ? delta[r_lo] : 0.0f;
-    const float dl_hi = r_hi < n_t ? delta[r_hi] : 0.0f;
+    frag_load_a<T, D>(qa, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
+    frag_load_a<T, D>(ga, grad + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
+    const float lse_lo = r_lo < n_q ? lse[r_lo] * kLog2e : 0.0f;
+    const float lse_hi = r_hi < n_q ? lse[r_hi] * kLog2e : 0.0f;
+    const float dl_lo = r_lo < n_q ? delta[r_lo] : 0.0f;
+    const float dl_hi = r_hi < n_q ? delta[r_hi] : 0.0f;
     float dq_acc[D / 8][4];
     zero_acc(dq_acc);
     for (int it = 0; it < n_tiles; ++it) {
         const int n0 = it * BN, buf = it & 1;
-        cp_async_wait_all();
-        __syncthreads();  // tile it has landed for everyone, and everyone is done with tile it - 1
+        const u32 kb = ks + buf * Tile::BYTES, vb = vs + buf * Tile::BYTES;
+        tiles_landed();  // tile it has landed for everyone, and everyone is done with tile it - 1
         if (it + 1 < n_tiles) {
-            tile2_async<T, BN, D>(Ks[buf ^ 1], k, Vs[buf ^ 1], v, ld_in, n0 + BN, n_t);
+            tile2_async<BN, D>(ks + (buf ^ 1) * Tile::BYTES, k, vs + (buf ^ 1) * Tile::BYTES, v, ld_kv, n0 + BN, n_k);
             cp_async_commit();
         }
-        if (n0 > row0 + 15) continue;  // every key of this tile is after every row of this warp
-        const bool diag = n0 + BN - 1 > row0;  // keys past n_t only occur in such a tile
-        float p[BN / 8][4];
+        const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
+        // S and dP are issued together; P is formed while dP runs.
+        float p[BN / 8][4], ds[BN / 8][4];
         zero_acc(p);
-        mma_abt<T, BN, D, LD>(p, qa, smem_addr(&Ks[buf][0][0]));
+        zero_acc(ds);
+        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
+        wg_issue<T, BN, D, BN, D, 0>(p, qa, kb);
+        wg_issue<T, BN, D, BN, D, 0>(ds, ga, vb);
+        wg_wait<1>();
+        fence_regs(p);
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + j * 8 + 2 * c + (e & 1);
                 const int row = e < 2 ? r_lo : r_hi;
-                const float x = exp2f(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
-                p[j][e] = (!diag || key <= row) ? x : 0.0f;
+                const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
+                p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
             }
         }
-        float ds[BN / 8][4];
-        zero_acc(ds);
-        mma_abt<T, BN, D, LD>(ds, ga, smem_addr(&Vs[buf][0][0]));
+        wg_wait<0>();
+        fence_regs(ds);
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
@@ -1026,7 +1189,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_dq_tc(
             ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
             ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
         }
-        mma_pb<T, D, BN, LD>(dq_acc, ds, smem_addr(&Ks[buf][0][0]));
+        u32 da[BN / 16][4];
+        c_to_a<T, BN>(da, ds);
+        wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);
     }
-    frag_store<T, D>(dq, ld_g, dq_acc, row0, n_t, scale, scale);
+    frag_store<T, D>(dq + head_offset(blockIdx.y, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
 }

@@ -1,0 +1,115 @@
+"""kiln's attention kernels against PyTorch SDPA on the same GPU, in one process, at the paper's shapes.
+
+    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--out FILE]
+
+Causal attention, forward and forward+backward, per B x H x T x D (Appendix B.1-B.2: B x H x D
+from 1x12x64 to 16x12x64, 8x16x64, 4x32x128; T from 512 to 16384, 16384 tokens a batch on the
+12x64 sweep): median milliseconds (CUDA events, after warm-up) and TFLOP/s of kiln and of
+`torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
+choice), and their ratio. FLOPs count the causal half: forward 4 B H T^2 D / 2, backward 2.5x
+that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import BF16, median_ms  # noqa: E402
+
+SHAPES = [  # (B, H, T, D)
+    (16, 12, 1024, 64),  # GPT-2 124M's step
+    (1, 12, 1024, 64),
+    (8, 16, 1024, 64),
+    (32, 12, 512, 64),
+    (8, 12, 2048, 64),
+    (4, 12, 4096, 64),
+    (2, 12, 8192, 64),
+    (2, 12, 16384, 64),
+    (4, 32, 2048, 128),
+    (2, 16, 8192, 128),
+]
+DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
+
+
+def bench_shape(k, shape, dtype, iters):
+    import torch
+    import torch.nn.functional as F
+    b, h, t, d = shape
+    flops_fwd = 4 * b * h * t * t * d / 2
+    gen = k.new_generator(0)
+    q, kk, v, g = (k.rng_normal(gen, shape, dtype) for _ in range(4))
+    scale = 1.0 / math.sqrt(d)
+    td = {BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}.get(np.dtype(dtype), torch.float32)
+    tq, tk, tv = (torch.randn(shape, device="cuda", dtype=td, requires_grad=True) for _ in range(3))
+    tg = torch.randn(shape, device="cuda", dtype=td)
+
+    def kiln_fwd_bwd():
+        out, lse = k.attention_fwd(q, kk, v, scale)
+        return k.attention_bwd(g, q, kk, v, out, lse, scale)
+
+    def torch_fwd_bwd():
+        F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).backward(tg)
+
+    rows = []
+    for op, kfn, tfn, flops in (
+            ("fwd", lambda: k.attention_fwd(q, kk, v, scale),
+             lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(), is_causal=True), flops_fwd),
+            ("fwd+bwd", kiln_fwd_bwd, torch_fwd_bwd, 3.5 * flops_fwd)):
+        kms, tms = median_ms(kfn, iters, "kiln"), median_ms(tfn, iters, "torch")
+        row = {"op": op, "dtype": np.dtype(dtype).name, "shape": list(shape), "kiln_ms": kms, "torch_ms": tms,
+               "kiln_tflops": flops / kms / 1e9, "torch_tflops": flops / tms / 1e9, "ratio": tms / kms}
+        print(f"{'x'.join(map(str, shape)):18s} {op:8s} {row['dtype']:9s} {kms:9.3f} {tms:9.3f} "
+              f"{row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} {row['ratio']:6.2f}x", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dtypes", default="bf16", help="comma-separated: " + ",".join(DTYPES))
+    p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import torch
+
+    import kiln
+    if not kiln.cuda_is_available() or not torch.cuda.is_available():
+        print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)
+        return 2
+    k = kiln.backend.get_backend("cuda")
+    print(f"{'B x H x T x D':18s} {'op':8s} {'dtype':9s} {'kiln ms':>9s} {'sdpa ms':>9s} {'kiln':>8s} {'sdpa':>8s} "
+          f"{'ratio':>7s}  (TFLOP/s; ratio = sdpa ms / kiln ms)")
+    rows = []
+    for name in args.dtypes.split(","):
+        for shape in SHAPES:
+            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters)
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = os.environ.get("KILN_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    result = {"benchmark": "attention", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
+              "rows": rows}
+    out = Path(args.out) if args.out else root / "benchmarks" / "results" / "attention" / f"attention-{datetime.date.today()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
