@@ -38,7 +38,7 @@ from kiln.checkpoint.run_folder import (
 from kiln.checkpoint.sharded import shard_path
 from kiln.data.corpus import bundled_dataset
 from kiln.data.shards import unigram_entropy
-from kiln.errors import ConfigError, DataError
+from kiln.errors import ConfigError, DataError, NotBuiltError
 from kiln.graph import CapturedStep, GraphCaptureError
 from kiln.launch import BadStepError, RankAgent
 from kiln.nn import GPT, PRESETS, GPTConfig, preset
