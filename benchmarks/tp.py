@@ -7,9 +7,10 @@ Every rank holds a 1/W shard of each block (paper §4.2); kiln runs once per asy
 (N=1 is plain TP). PyTorch runs the same nanoGPT-style GPT under parallelize_module, every
 parameter a DTensor: the blocks' Linears ColwiseParallel/RowwiseParallel, the embedding and the
 tied head split over the vocabulary with loss_parallel (as kiln's), LayerNorms and position
-embeddings replicated DTensors, so fused AdamW and clip_grad_norm_ take them all (--torch-async:
-torch.compile with inductor's micro-pipeline TP; it rewrites sequence parallelism's all-gather /
-reduce-scatter matmuls, so on these all-reduces it is torch.compile alone). Same initial weights,
+embeddings replicated DTensors, so fused AdamW and clip_grad_norm_ take them all. --torch-sp adds
+sequence parallelism (LayerNorms on T/W tokens, each all-reduce an all-gather + reduce-scatter);
+--torch-async is PyTorch's async TP: that, compiled with inductor's micro-pipeline TP, which
+overlaps those all-gather / reduce-scatter matmuls (CUDA only: symmetric memory). Same initial weights,
 same batches, AdamW, fp32 or bf16. Reports tokens/s (median over the steps after the first 3),
 peak memory per rank and the largest per-step loss and gradient-norm differences from PyTorch
 (the norm before the clip at 1.0). Rank 0 writes
@@ -74,15 +75,19 @@ def run_torch(args, cfg, data, kiln_state):
     """PyTorch's own TP of the same GPT, every parameter a DTensor (so fused AdamW and
     clip_grad_norm_ take them all): the blocks' Linears Colwise/Rowwise, the embedding and the tied
     head vocabulary-parallel with loss_parallel (the logits never gathered, as kiln's), LayerNorms and
-    position embeddings replicated DTensors."""
+    position embeddings replicated DTensors. With sequence parallelism (--torch-sp, --torch-async)
+    the residual stream and the LayerNorms hold T/W tokens per rank (SequenceParallel) and each
+    all-reduce is an all-gather before the column-parallel Linear and a reduce-scatter after the
+    row-parallel one: the pattern inductor's micro-pipeline TP overlaps."""
     import torch
     import torch.distributed as tdist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
+        SequenceParallel,
         loss_parallel,
         parallelize_module,
     )
@@ -122,7 +127,8 @@ def run_torch(args, cfg, data, kiln_state):
             for block in self.h:
                 x = block(x)
             # the tied head on the vocabulary shard: logits Shard(-1); from_local's backward is Megatron's f
-            x = DTensor.from_local(self.ln_f(x), mesh, [Replicate()], run_check=False)
+            x = self.ln_f(x)
+            x = x.redistribute(mesh, [Replicate()]) if sp else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
             logits = F.linear(x, self.wte.weight)
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -132,6 +138,8 @@ def run_torch(args, cfg, data, kiln_state):
             p.copy_(torch.from_numpy(np.ascontiguousarray(kiln_state[name])))
     model.to(dev)
     mesh = init_device_mesh(dev.type, (world,))
+    sp = args.torch_sp or args.torch_async
+    tokens = Shard(1) if sp else Replicate()  # the residual stream's layout between the parallel Linears
     # c_attn's rows are q|k|v: sharding them in W contiguous pieces gives each rank whole heads only
     # after interleaving, so the rows are reordered (q_r, k_r, v_r per rank) before the split
     for block in model.h:
@@ -139,11 +147,17 @@ def run_torch(args, cfg, data, kiln_state):
         for t in (w, b):
             parts = [p.chunk(world) for p in t.chunk(3)]
             t.copy_(torch.cat([parts[s][r] for r in range(world) for s in range(3)]))
-        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
-    parallelize_module(model, mesh, {"wte": RowwiseParallel(input_layouts=Replicate())})  # vocabulary rows split
-    for module in [model.wpe, model.ln_f] + [m for b in model.h for m in (b.ln_1, b.ln_2)]:
-        distribute_module(module, mesh, input_fn=_replicated_input(mesh), output_fn=_local_output)  # Replicate
+        plan = {name: ColwiseParallel(input_layouts=tokens) for name in ("attn.c_attn", "mlp.c_fc")}
+        plan.update({name: RowwiseParallel(output_layouts=tokens, use_local_output=not sp)
+                     for name in ("attn.c_proj", "mlp.c_proj")})
+        plan.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel()} if sp else {})
+        parallelize_module(block, mesh, plan)
+    parallelize_module(model, mesh, {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=tokens,
+                                                            use_local_output=not sp),  # vocabulary rows split
+                                     **({"ln_f": SequenceParallel()} if sp else {})})
+    replicated = [model.wpe] if sp else [model.wpe, model.ln_f] + [m for b in model.h for m in (b.ln_1, b.ln_2)]
+    for module in replicated:  # Replicate DTensors; with sp, wpe's rows join the Shard(1) stream as a DTensor
+        distribute_module(module, mesh, input_fn=_replicated_input(mesh), output_fn=None if sp else _local_output)
     fwd = torch.compile(model) if args.torch_async else model
     if args.torch_async:
         import torch._inductor.config as inductor
@@ -192,7 +206,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", default="1,2,4", help="kiln's async-TP chunk counts (1: plain TP)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--torch-async", action="store_true", help="PyTorch's async TP (compile + micro-pipeline TP)")
+    p.add_argument("--torch-sp", action="store_true", help="PyTorch's TP with sequence parallelism (eager)")
+    p.add_argument("--torch-async", action="store_true",
+                   help="PyTorch's async TP: sequence parallelism, compiled with inductor's micro-pipeline TP")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import kiln
@@ -218,7 +234,8 @@ def main(argv=None) -> int:
         rows.append({"framework": "kiln", "chunks": chunks, "tokens_per_s": tokens / float(np.median(times[WARMUP:])),
                      "peak_bytes": peak, "loss_diff": max(abs(a - b) for a, b in zip(losses, torch_losses)),
                      "grad_norm_diff": max(abs(a - b) for a, b in zip(norms, torch_norms))})
-    rows.append({"framework": "torch-async" if args.torch_async else "torch", "chunks": None,
+    rows.append({"framework": "torch-async" if args.torch_async else "torch-sp" if args.torch_sp else "torch",
+                 "chunks": None,
                  "tokens_per_s": tokens / float(np.median(torch_times[WARMUP:])), "peak_bytes": torch_peak,
                  "loss_diff": 0.0, "grad_norm_diff": 0.0, "grad_norms": torch_norms})
     if env.rank == 0:

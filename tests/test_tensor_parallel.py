@@ -26,10 +26,12 @@ def test_tensor_parallel_layers_and_gpt_equal_dense(n, tmp_path):
 
 
 @pytest.mark.dist
-def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("peer", ["torch", "torch-sp"])
+def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(peer, tmp_path):
     """benchmarks/tp.py on 2 CPU ranks (MPI for kiln, gloo for PyTorch): the DTensor peer (every
-    parameter a DTensor, fused AdamW, clip_grad_norm_, loss_parallel) trains kiln's losses and
-    gradient norms, plain and async TP, to fp32 rounding over 5 clipped AdamW steps."""
+    parameter a DTensor, fused AdamW, clip_grad_norm_, loss_parallel; with sequence parallelism too)
+    trains kiln's losses and gradient norms, plain and async TP, to fp32 rounding over 5 clipped
+    AdamW steps."""
     import json
     import subprocess
     import sys
@@ -39,11 +41,11 @@ def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(tmp_path):
     out = tmp_path / "tp.json"
     cmd = [mpiexec(), "-n", "2", sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "tp.py"),
            "--device", "cpu", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "5",
-           "--chunks", "1,2", "--precision", "fp32", "--out", str(out)]
+           "--chunks", "1,2", "--precision", "fp32", "--out", str(out), *(["--torch-sp"] if peer == "torch-sp" else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["framework"], r["chunks"]) for r in rows] == [("kiln", 1), ("kiln", 2), ("torch", None)]
+    assert [(r["framework"], r["chunks"]) for r in rows] == [("kiln", 1), ("kiln", 2), (peer, None)]
     assert all(r["loss_diff"] < 1e-5 and r["grad_norm_diff"] < 1e-5 for r in rows), rows
     assert min(rows[-1]["grad_norms"]) > 1.0  # the clip at 1.0 acted on every step, on both sides
 
