@@ -62,11 +62,12 @@ def test_the_graph_step_equals_the_op_by_op_step(tmp_path, precision):
     _assert_bitwise(replayed, eager, f"{precision}: the graph's parameters after 8 steps")
 
 
-@pytest.mark.parametrize("graph", [True, False], ids=["graph", "op-by-op"])
-@pytest.mark.parametrize("async_checkpoint", [True, False], ids=["async", "sync"])
-def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, graph, async_checkpoint):
-    cfg = TrainConfig(**COMMON, max_steps=12, eval_interval=12, checkpoint_interval=4, cuda_graph=graph,
-                      async_checkpoint=async_checkpoint, out_dir=str(tmp_path), run_name="full")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: AdamW's kept bf16 copies, recast before the capture
+@pytest.mark.parametrize("graph, async_checkpoint", [(True, True), (True, False), (False, True)],
+                         ids=["graph-async", "graph-sync", "op-by-op-async"])
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, graph, async_checkpoint, precision):
+    cfg = TrainConfig(**COMMON, precision=precision, max_steps=12, eval_interval=12, checkpoint_interval=4,
+                      cuda_graph=graph, async_checkpoint=async_checkpoint, out_dir=str(tmp_path), run_name="full")
     full = Trainer(cfg)
     full.fit()
     stopped = stopped_run_folder(tmp_path / "full", 8, tmp_path / "stopped")
