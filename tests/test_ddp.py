@@ -82,12 +82,15 @@ def test_ddp_names_a_parameter_that_got_no_gradient():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("n, dtype, accum, tol", [(2, "float64", 3, 1e-12), (4, "float64", 2, 1e-12),
-                                                  (4, "float32", 1, 2e-5)])
-def test_ddp_on_w_ranks_equals_one_process_on_the_whole_batch(n, dtype, accum, tol, tmp_path):
+@pytest.mark.parametrize("n, dtype, accum, tol, launcher", [(2, "float64", 3, 1e-12, "mpiexec"),
+                                                            (4, "float64", 2, 1e-12, "mpiexec"),
+                                                            (4, "float32", 1, 2e-5, "mpiexec"),
+                                                            (2, "float64", 2, 1e-12, "torchrun")])
+def test_ddp_on_w_ranks_equals_one_process_on_the_whole_batch(n, dtype, accum, tol, launcher, tmp_path):
     # float32: the batch's gradient is summed in another order (per rank, then across ranks), and
-    # AdamW's g / sqrt(v) turns those last-bit differences of small gradients into ~1e-6 of 3e-3 steps
-    results, _, _ = run_ranks("ddp_equal.py", n, tmp_path, dtype, accum, 0.05, 0.5, timeout=120)
+    # AdamW's g / sqrt(v) turns those last-bit differences of small gradients into ~1e-6 of 3e-3 steps.
+    # torchrun: CPU ranks with no mpiexec (kiln.distributed.pmi)
+    results, _, _ = run_ranks("ddp_equal.py", n, tmp_path, dtype, accum, 0.05, 0.5, timeout=120, launcher=launcher)
     for r, res in enumerate(results):
         assert res["max_param_diff"] <= tol, (r, res)
         np.testing.assert_allclose(res["norms"], res["ref_norms"], rtol=max(10 * tol, 1e-6))

@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, run every step op by op (default: from the third step on, each step is "
                         "replayed as one captured CUDA graph)")
     t.add_argument("--parallel", help="none (default), ddp, zero1, zero2 or fsdp: data parallel over the ranks "
-                   "of `mpiexec -n N` (CPU) or of torchrun/SLURM/kiln launch (GPUs); zero1/zero2 shard the "
+                   "of `mpiexec -n N`, torchrun, SLURM or kiln launch (CPU: MPI, GPUs: NCCL); zero1/zero2 shard the "
                    "optimizer state (and gradients), fsdp the parameters too; a zero/fsdp run's checkpoints "
                    "are one file per rank and resume on any number of ranks")
     t.add_argument("--global-batch", type=int,

@@ -23,7 +23,6 @@ from kiln.errors import (
     ConfigError,
     DeviceError,
     DistributedError,
-    NotBuiltError,
     ShapeError,
 )
 
@@ -192,8 +191,9 @@ def init_process_group(backend: str = "auto", timeout: float | None = None,
                        env: Environment | None = None) -> ProcessGroup:
     """The world group of this run, from the launcher's environment (kiln.distributed.environment).
 
-    backend: "nccl" (CUDA tensors; rank r drives GPU LOCAL_RANK), "mpi" (CPU tensors; the ranks
-    are started by mpiexec) or "auto" (nccl when a GPU is there, else mpi). timeout: seconds a
+    backend: "nccl" (CUDA tensors; rank r drives GPU LOCAL_RANK), "mpi" (CPU tensors; ranks started
+    by mpiexec, or by torchrun, srun or kiln launch, whose MPI kiln's PMI server wires up:
+    kiln.distributed.pmi) or "auto" (nccl when a GPU is there, else mpi). timeout: seconds a
     collective may take before it is a DistributedError (default KILN_DIST_TIMEOUT or 300).
     World size 1 works with neither mpiexec nor a store. Calling it again returns the same group."""
     global _world
@@ -257,10 +257,12 @@ def abort_communicators() -> list[str]:
 
 def _mpi_world(env: Environment, timeout: float):
     from kiln.distributed.mpi_engine import MPIEngine, mpi
-    if env.world_size > 1 and not env.under_mpi:
-        raise NotBuiltError(f"the mpi backend needs its {env.world_size} ranks started by mpiexec "
-                            f"(this run was started by {env.launcher}); start CPU runs with "
-                            "`mpiexec -n N`, or use the nccl backend on GPUs")
+    if env.world_size > 1 and not env.under_mpi:  # torchrun, srun without PMI, kiln launch: no mpiexec
+        from kiln.distributed.pmi import PMI_VARIABLES, serve_mpi_init
+        serve_mpi_init(env, timeout)
+        comm = mpi().COMM_WORLD  # MPI_Init, served by this rank's PMI server over the store
+        for name in PMI_VARIABLES:  # not for this process's children
+            os.environ.pop(name, None)
     comm = mpi().COMM_WORLD
     if comm.Get_size() != env.world_size or comm.Get_rank() != env.rank:
         raise DistributedError(f"MPI says rank {comm.Get_rank()} of {comm.Get_size()}, the environment "
