@@ -208,7 +208,7 @@ def main() -> None:
                 comm_ms.append(busy(comm))
                 compute_ms.append(busy(compute))
             timelines[mode] = (compute, comm, trace)
-            record["modes"][mode] = _summary(fractions, comm_ms, compute_ms, len(comm))
+            record["modes"][mode] = _summary(fractions, comm_ms, compute_ms, compute, comm)
         record["torch"] = torch.__version__
     else:
         for _ in range(args.warmup):
@@ -220,17 +220,21 @@ def main() -> None:
             comm_ms.append(busy(comm))
             compute_ms.append(busy(compute))
         timelines["eager"] = (compute, comm, None)
-        record["modes"]["eager"] = _summary(fractions, comm_ms, compute_ms, len(comm))
+        record["modes"]["eager"] = _summary(fractions, comm_ms, compute_ms, compute, comm)
     record["buckets"] = len(ddp.buckets)
     if world.rank == 0:
         write(record, timelines, args)
 
 
-def _summary(fractions, comm_ms, compute_ms, collectives) -> dict:
+def _summary(fractions, comm_ms, compute_ms, compute, comm) -> dict:
+    """The figures of one mode; compute and comm: the last step's intervals."""
     known = [f for f in fractions if f is not None]
+    end = max(e for _, e in compute)
     return {"hidden_fraction": float(np.median(known)) if known else None, "hidden_fraction_per_step": fractions,
             "communication_ms_per_step": comm_ms, "compute_ms_per_step": compute_ms,
-            "communication_intervals_last_step": collectives}
+            "communication_intervals_last_step": len(comm),
+            # the collectives that began before the last compute ended (Algorithm 1: as gradients come)
+            "started_during_compute_last_step": sum(s < end for s, _ in comm)}
 
 
 def write(record: dict, timelines: dict, args) -> None:

@@ -54,6 +54,8 @@ def test_on_two_cpu_ranks_the_buckets_collectives_run_during_backward(tmp_path):
     record = json.loads(result.read_text())
     eager = record["modes"]["eager"]
     assert record["buckets"] > 3 and eager["communication_intervals_last_step"] == record["buckets"]
-    # launched as their gradients come (Algorithm 1), most of the collectives' time lies inside backward
-    assert all(0.25 < f <= 1.0 for f in eager["hidden_fraction_per_step"]), eager
+    # launched as their gradients come (Algorithm 1): every bucket but the last while backward still runs
+    # (how long each then takes depends on the other rank, on this machine's load)
+    assert eager["started_during_compute_last_step"] >= record["buckets"] - 1, eager
+    assert all(0.0 < f <= 1.0 for f in eager["hidden_fraction_per_step"]), eager
     assert result.with_suffix(".png").stat().st_size > 10_000 and result.with_suffix(".md").is_file()

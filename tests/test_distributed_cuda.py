@@ -88,29 +88,36 @@ def test_trainer_ddp_step_as_a_cuda_graph_equals_eager(nccl_world, tmp_path):
 
 
 @gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("parallel", ["zero1", "zero2", "fsdp"])
-def test_trainer_sharded_step_as_a_cuda_graph_equals_eager(parallel, nccl_world, tmp_path):
-    # the graph records ZeRO's reduce-scatters and all-gathers, or FSDP's per-unit gathers, frees and
-    # reduce-scatters, and ShardedAdamW's update reading lr and the step from device buffers
+def test_trainer_sharded_step_as_a_cuda_graph_equals_eager(parallel, precision, nccl_world, tmp_path):
+    # the graph records ZeRO's reduce-scatters and all-gathers (and, in bf16, its rewrite of the
+    # weights' kept bf16 copies), or FSDP's per-unit gathers, frees and reduce-scatters, and
+    # ShardedAdamW's update reading lr and the step from device buffers
     from safetensors.numpy import load_file
 
     from kiln.train import TrainConfig, Trainer
     rows, weights = {}, {}
+    tol = 1e-5 if precision == "fp32" else 2e-3
     for graph in (False, True):
         cfg = TrainConfig(model_overrides={"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64}, device="cuda",
-                          batch_size=4, grad_accum=2, max_steps=6, eval_interval=3, eval_iters=2, sample_tokens=0,
-                          progress=False, parallel=parallel, bucket_mb=0.05, cuda_graph=graph,
-                          out_dir=str(tmp_path), run_name=f"{parallel}-graph{graph}")
+                          batch_size=4, grad_accum=2, max_steps=6, eval_interval=2, eval_iters=2, sample_tokens=0,
+                          progress=False, parallel=parallel, bucket_mb=0.05, cuda_graph=graph, precision=precision,
+                          lr=1e-2, out_dir=str(tmp_path), run_name=f"{parallel}-{precision}-graph{graph}")
         trainer = Trainer(cfg)
         trainer.fit()
         assert (trainer._graph_step is not None and trainer._graph_step.captured) == graph
-        rows[graph] = [json.loads(line) for line in
-                       (tmp_path / f"{parallel}-graph{graph}" / "metrics.jsonl").read_text().splitlines()]
-        weights[graph] = load_file(str(tmp_path / f"{parallel}-graph{graph}" / "model.safetensors"))
+        for n, p in trainer.model.named_parameters():  # a kept copy is the value's after the last replay too
+            if getattr(p, "kept", None) is not None and p.kept.data is not None:
+                np.testing.assert_array_equal(kiln.Tensor._wrap(p.kept.data, p.device).numpy().astype(np.float32),
+                                              p.to(p.kept.dtype).numpy().astype(np.float32), err_msg=n)
+        run = tmp_path / f"{parallel}-{precision}-graph{graph}"
+        rows[graph] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        weights[graph] = load_file(str(run / "model.safetensors"))
     for eager, replay in zip(rows[False], rows[True], strict=True):
-        assert abs(eager["loss"] - replay["loss"]) <= 1e-5 * abs(eager["loss"]), (eager, replay)
-        assert abs(eager["grad_norm"] - replay["grad_norm"]) <= 1e-4 * eager["grad_norm"], (eager, replay)
+        assert abs(eager["loss"] - replay["loss"]) <= tol * abs(eager["loss"]), (eager, replay)
+        assert abs(eager["grad_norm"] - replay["grad_norm"]) <= 10 * tol * eager["grad_norm"], (eager, replay)
         if "val_loss" in eager:
-            assert abs(eager["val_loss"] - replay["val_loss"]) <= 1e-5 * eager["val_loss"], (eager, replay)
+            assert abs(eager["val_loss"] - replay["val_loss"]) <= tol * eager["val_loss"], (eager, replay)
     for k, w in weights[False].items():
-        np.testing.assert_allclose(weights[True][k], w, rtol=0, atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(weights[True][k], w, rtol=0, atol=1e-5 if precision == "fp32" else 1e-3, err_msg=k)

@@ -36,7 +36,8 @@ class FlatShard:
 class ShardedAdamW:
     """kiln.optim.AdamW over FlatShards: the same param_groups (lr, weight_decay), betas, eps and
     step count, the same interface (zero_grad, clip_grad_norm_, step, state_dict), each rank
-    updating its shard only. after_step() runs after each update (ZeRO-1/2: all-gather params)."""
+    updating its shard only. after_step() runs after each update (ZeRO-1/2: all-gather params and
+    write the parameters' kept compute-dtype copies; FSDP keeps none)."""
 
     def __init__(self, optimizer, shards: list, group, after_step=None):
         self.optimizer, self.shards, self.group, self.after_step = optimizer, shards, group, after_step
@@ -104,20 +105,21 @@ class ShardedAdamW:
             for p, a, b, _ in s.segments:
                 gi = self._group_of[id(p)]
                 g = self.param_groups[gi]
-                batch = by_lr.setdefault((gi if captured else g["lr"], p.device), ([], [], [], [], [], p.backend))
+                batch = by_lr.setdefault((gi if captured else g["lr"], p.device), ([], [], [], [], [], [], p.backend))
                 for column, array in zip(batch, (s.param, s.grad, s.exp_avg, s.exp_avg_sq)):
                     column.append(array[a:b])
                 batch[4].append(g["weight_decay"])
+                batch[5].append(None)  # a piece of a parameter: its kept copy is the wrapper's (after_step)
         clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
         self._clip = None
         if captured:
             opt._record_step(by_lr, clip_norm, max_norm)
         else:
             b1, b2 = opt.betas
-            for (lr, _), (ps, gs, ms, vs, wds, backend) in by_lr.items():
+            for (lr, _), (ps, gs, ms, vs, wds, _, backend) in by_lr.items():
                 backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, opt.eps, opt.step_count,
                                    clip_norm=clip_norm, max_norm=max_norm)
-        if self.after_step is not None:
-            self.after_step()
         for p in self.params:
             p._version[0] += 1
+        if self.after_step is not None:
+            self.after_step()

@@ -87,13 +87,18 @@ class ZeroDataParallel(DistributedDataParallel):
         self._finished = True
 
     def _gather_parameters(self) -> None:
-        """Every rank's updated shard into every rank's flat parameter buffers (ZeRO's all-gather)."""
+        """Every rank's updated shard into every rank's flat parameter buffers (ZeRO's all-gather),
+        then each parameter's kept compute-dtype copy (a bf16 step's) from its new value, as AdamW
+        writes it: a replayed CUDA graph reads the copies without checking versions."""
         works = []
         for pb, shard in zip(self.param_buckets.buckets, self.optimizer.shards):
             mine = Tensor._wrap(shard.param.copy(), pb.buffer.device)
             works.append((mine, self.group.all_gather(pb.buffer, mine, async_op=True)))
         for _, work in works:
             work.wait()
+        for p in self.params:
+            if getattr(p, "kept", None) is not None and p.kept.data is not None:
+                p.kept.refresh(p)
 
     def memory(self) -> dict:
         """Bytes of model state this rank holds now: parameters, gradients, optimizer moments."""

@@ -245,7 +245,7 @@ class Trainer:
         """Make, or recast when its parameter changed since (a restored or loaded state), every parameter's
         kept compute-dtype copy, now: a graph replay reads the copies without checking versions (AdamW
         keeps them current), and a copy made or recast inside the capture would be recast at every replay
-        (a resumed run captures its first step). Sharded runs are not captured; FSDP keeps no copies."""
+        (a resumed run captures its first step). ZeRO writes the copies after its all-gather; FSDP keeps none."""
         dtype = self.model.compute_dtype
         if dtype is None or self.sharded:
             return
