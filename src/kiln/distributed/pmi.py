@@ -150,6 +150,10 @@ def serve_mpi_init(env, timeout: float) -> None:
     if os.fork() == 0:  # the server: pure Python, never MPI; it ends when this rank's MPI is done
         code = 1
         try:
+            # a rank's SIGINT/SIGTERM is for the rank (kiln's trainer saves, then exits through
+            # MPI_Finalize, which still needs this server); the server ends when its rank has
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             mine.close()
             from kiln.distributed.process_group import rendezvous_store
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
