@@ -10,7 +10,8 @@
 # bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), fidelity (kiln,
 # eager and compile loss curves from the same weights, 300 steps of B8, fp32 and bf16),
 # launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered), launch-tests
-# (issue 16's CUDA tests: recovery bit for bit, NCCL abort through the store, NVML and NUMA pinning).
+# (issue 16's CUDA tests: recovery bit for bit, NCCL abort through the store, NVML and NUMA pinning),
+# overlap (a DDP step's bucket collectives against backward, traced), ceilings (GEMM and copy, measured afresh).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -38,6 +39,9 @@ for p in "$@"; do
         profile) part step_profile 120 python3 benchmarks/step_profile.py --mode bf16 ;;
         fidelity) part fidelity 330 python3 benchmarks/fidelity.py --modes bf16,fp32 --steps 300 --eval-interval 50 \
                       --batch-size 8 --max-files 1500 ;;
+        overlap) part ddp_overlap 90 python3 benchmarks/ddp_overlap.py ;;
+        ceilings) part ceilings 30 python3 -c "import kiln; from kiln.profiler.ceilings import measure; \
+                      print(measure(kiln.device('cuda')))" ;;
         launch) part launch 80 python3 benchmarks/recovery.py --device cuda --faults kill,nan ;;
         launch-tests) part launch-tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
                           tests/test_launch_recovery_cuda.py tests/test_launch.py tests/test_launch_health.py ;;
