@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64}
+MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64}  # head dim 32: a CUDA attention kernel (16 is not)
 # fault -> (KILN_FAULT, extra launch options, ranks: 1, or 2 = `--mpi --nproc 2 -- kiln train --parallel ddp`)
 FAULTS = {
     "kill": ("kill@step={k}", [], 1),

@@ -243,3 +243,34 @@ def test_a_capture_starts_from_an_empty_cache_so_a_full_device_still_captures(mo
     monkeypatch.setattr(device, "stream", lambda: stream)
     captured = graph.capture(lambda: a.malloc(8192))
     assert captured.result in captured.pool.blocks and drv.used == 8192
+
+
+def test_a_finalizer_that_frees_inside_malloc_does_not_deadlock():
+    """Python's garbage collector can run inside malloc (any object allocation may trigger it) and
+    collect an array or a dropped graph, whose finalizer calls free / release_pool on the same
+    thread while malloc holds the allocator's lock. That deadlocked a CUDA test on the H200 (two
+    graph-replayed trainings in one process, the second hung); now the inner calls are done when
+    the outer one leaves the lock."""
+    import threading
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free, record=False)
+    victim, pool = a.malloc(4096), GraphPool()
+    with a.capture_into(pool):
+        captured = a.malloc(8192)
+    a.free(captured)
+    a.release_pool(pool)
+    finalizers = [lambda: a.free(victim), lambda: a.release_pool(pool)]
+
+    def collecting_malloc(size, device_id):  # a driver call inside malloc's locked section runs a finalizer
+        while finalizers:
+            finalizers.pop()()
+        return drv.malloc(size, device_id)
+
+    a._driver_malloc = collecting_malloc
+    done = []
+    worker = threading.Thread(target=lambda: done.append(a.malloc(1 << 20)), daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive(), "malloc deadlocked on a free made by a finalizer inside it"
+    assert done and a.memory_stats()["allocated_bytes"] == a.rounding(1 << 20)  # victim's free was done
+    assert a.malloc(4096) == victim  # and its block is in the cache

@@ -137,6 +137,8 @@ class CachingAllocator:
         self._driver_sync = driver_sync or (_cuda_sync if driver_malloc is None else (lambda: None))
         self.rounding = rounding or Rounding()
         self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread inside a locked section (see _locked)
+        self._deferred: list = []  # frees and pool releases asked for by finalizers inside a locked section
         self._free: dict = {}   # (device, rounded size) -> [ptr]
         self._live: dict = {}   # ptr -> (device, rounded size, requested size, trace id)
         self._trace = [] if record else None
@@ -153,7 +155,7 @@ class CachingAllocator:
     # CuPy's PythonFunctionAllocator calls malloc(size, device_id) -> ptr and free(ptr, device_id).
     def malloc(self, size: int, device_id: int = 0) -> int:
         size = int(size)
-        with self._lock:
+        with self._locked():
             r = self.rounding(size)
             graph = self._capturing
             pool = graph.free.get((device_id, r)) if graph is not None else None
@@ -184,7 +186,10 @@ class CachingAllocator:
             return ptr
 
     def free(self, ptr: int, device_id: int = 0) -> None:
-        with self._lock:
+        if self._holder == threading.get_ident():  # a finalizer inside one of this thread's locked sections
+            self._deferred.append(lambda: self.free(ptr, device_id))
+            return
+        with self._locked():
             got = self._live.pop(ptr, None)
             if got is None:
                 return
@@ -230,6 +235,27 @@ class CachingAllocator:
         st["peak_reserved_bytes"] = max(st["peak_reserved_bytes"], st["reserved_bytes"])
         return ptr
 
+    @contextlib.contextmanager
+    def _locked(self):
+        """The allocator's lock. Python's garbage collector can run inside a locked section (any object
+        allocation may trigger it) and collect an array or a dropped graph, whose finalizer calls free
+        or release_pool on this same thread: those calls are deferred (a plain Lock would deadlock, an
+        RLock would change the pools under the section's feet) and done here before the lock is left."""
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+                while self._deferred:
+                    self._holder = None  # the deferred call takes the lock itself
+                    self._lock.release()
+                    try:
+                        self._deferred.pop(0)()
+                    finally:
+                        self._lock.acquire()
+                        self._holder = threading.get_ident()
+            finally:
+                self._holder = None
+
     def _release_locked(self) -> int:
         released = 0
         if any(self._free.values()):
@@ -254,14 +280,14 @@ class CachingAllocator:
     @contextlib.contextmanager
     def capture_into(self, pool: GraphPool):
         """While a graph is captured: blocks come from (and are freed into) `pool`, never the eager cache."""
-        with self._lock:
+        with self._locked():
             if self._capturing is not None:
                 raise KilnError("a CUDA graph is already being captured; captures do not nest")
             self._capturing = pool
         try:
             yield pool
         finally:
-            with self._lock:
+            with self._locked():
                 self._capturing = None
                 if pool.blocks and pool not in self._pools:
                     self._pools.append(pool)
@@ -271,17 +297,20 @@ class CachingAllocator:
         """Allocations in this block come from the eager cache even while a graph is captured: for
         buffers written outside the graph and read by its replays (a block recycled within the
         capture would be overwritten by the graph's temporaries before the replay reads it)."""
-        with self._lock:
+        with self._locked():
             saved, self._capturing = self._capturing, None
         try:
             yield
         finally:
-            with self._lock:
+            with self._locked():
                 self._capturing = saved
 
     def release_pool(self, pool: GraphPool) -> None:
         """The graph is dropped: its free blocks join the eager cache; blocks still live follow on free."""
-        with self._lock:
+        if self._holder == threading.get_ident():
+            self._deferred.append(lambda: self.release_pool(pool))
+            return
+        with self._locked():
             if pool in self._pools:
                 self._pools.remove(pool)
             live = {p for p in pool.blocks if p in self._live}
@@ -292,12 +321,12 @@ class CachingAllocator:
 
     def release_unused(self) -> int:
         """Return every cached (free) block to the driver; the number of bytes released."""
-        with self._lock:
+        with self._locked():
             return self._release_locked()
 
     def end_warmup(self, release: bool = True) -> dict:
         """Learn the rounding from the recorded trace, stop recording, and (by default) flush the cache."""
-        with self._lock:
+        with self._locked():
             trace, self._trace = self._trace, None
         if trace:
             rounding, report = choose_rounding(trace)
@@ -318,11 +347,11 @@ class CachingAllocator:
 
     def memory_stats(self) -> dict:
         """Allocated, requested, reserved, cached and wasted bytes now, their peaks, and call counts."""
-        with self._lock:
+        with self._locked():
             return self._stats_locked()
 
     def reset_peak_stats(self) -> None:
-        with self._lock:
+        with self._locked():
             st = self._stats
             st["peak_allocated_bytes"] = st["allocated_bytes"]
             st["peak_requested_bytes"] = st["requested_bytes"]
