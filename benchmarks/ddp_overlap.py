@@ -95,9 +95,11 @@ def hidden_fraction(comm, compute) -> float | None:
     return hidden / total
 
 
-def device_timeline(trace: dict) -> tuple[list, list]:
+def device_timeline(trace: dict, by_stream: bool = True) -> tuple[list, list]:
     """(compute, communication) kernel intervals in ms from the first kernel, of a Chrome trace
-    that torch.profiler wrote for CUDA activity."""
+    that torch.profiler wrote for CUDA activity. by_stream: a kernel off the busiest stream is
+    communication too (op by op, the communication stream's own kernels); not for a graph replay,
+    whose kernel nodes run on streams the driver picks (the forward on one, backward on another)."""
     kernels = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         raise RuntimeError("the profiler recorded no CUDA kernels (is CUPTI available to torch.profiler?)")
@@ -110,7 +112,7 @@ def device_timeline(trace: dict) -> tuple[list, list]:
     for e in kernels:
         span = ((e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3)
         name = e["name"].lower()
-        is_comm = any(n in name for n in COMM_NAMES) or e["args"].get("stream") != compute_stream
+        is_comm = any(n in name for n in COMM_NAMES) or (by_stream and e["args"].get("stream") != compute_stream)
         (comm if is_comm else compute).append(span)
     return compute, comm
 
@@ -203,7 +205,7 @@ def main() -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     prof.export_chrome_trace(f"{tmp}/trace.json")
                     trace = Path(f"{tmp}/trace.json").read_text()
-                compute, comm = device_timeline(json.loads(trace))
+                compute, comm = device_timeline(json.loads(trace), by_stream=mode == "eager")
                 fractions.append(hidden_fraction(comm, compute))
                 comm_ms.append(busy(comm))
                 compute_ms.append(busy(compute))
