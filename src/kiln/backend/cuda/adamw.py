@@ -26,12 +26,11 @@ from kiln.errors import KilnError
 _ADAMW_TYPES = {("float", "float", "float"), ("float", "float", "__nv_bfloat16"), ("float", "float", "__half"),
                 ("__nv_bfloat16", "__nv_bfloat16", "__nv_bfloat16"), ("__half", "__half", "__half"),
                 ("float", "__nv_bfloat16", "float"), ("float", "__nv_bfloat16", "__nv_bfloat16")}
+THREADS = 256  # threads per block of the multi-tensor kernels (kMtThreads)
+CHUNK = THREADS * 4 * 16  # elements per block: 4-element vectors, 16 iterations
 register_family("adamw.cu", [f"adamw_multi<{p}, {g}, {c}>" for p, g, c in sorted(_ADAMW_TYPES)]
                 + [f"sumsq_multi<{t}>" for t in FLOAT_CTYPES] + ["sumsq_finish", "adamw_set_hyper"]
-                + [f"scale_multi<{t}>" for t in FLOAT_CTYPES])
-
-CHUNK = 16384  # elements per block: 256 threads x 4-element vectors x 16 iterations
-THREADS = 256
+                + [f"scale_multi<{t}>" for t in FLOAT_CTYPES], defines={"KILN_MT_THREADS": THREADS})
 _MAX_TABLES = 16
 _ctypes: dict = {}
 

@@ -18,7 +18,7 @@
 
 using namespace kiln;
 
-constexpr int kMtThreads = 256;
+constexpr int kMtThreads = KILN_MT_THREADS;  // backend/cuda/adamw.py THREADS
 
 // The tensor that owns block b: the last t with block_start[t] <= b.
 __device__ __forceinline__ int owner_tensor(const long long* __restrict__ block_start, int T, long long b) {
