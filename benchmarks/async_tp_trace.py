@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from provenance import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -146,10 +145,8 @@ def main(argv=None) -> int:
                          f"{r['collective_kernels_per_step']:.0f} | {r['gemm_streams']} | {r['collective_streams']} | "
                          f"{r['event_records_per_step']:.0f} | {r['stream_waits_per_step']:.0f} | "
                          f"{r['collective_ms_per_step']:.3f} | {frac} |")
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
         record = {"benchmark": "async_tp_trace", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                  "commit": os.environ.get("KILN_COMMIT") or commit, "world_size": world.size,
+                  "commit": commit(), "world_size": world.size,
                   "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "args": vars(args),
                   "rows": rows}
         (out / "summary.json").write_text(json.dumps(record, indent=1))

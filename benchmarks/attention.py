@@ -17,7 +17,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import BF16, median_ms  # noqa: E402
+from provenance import commit
 
 SHAPES = [  # (B, H, T, D)
     (16, 12, 1024, 64),  # GPT-2 124M's step
@@ -95,13 +95,8 @@ def main(argv=None) -> int:
         for shape in SHAPES:
             rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters)
     root = Path(__file__).resolve().parents[1]
-    try:
-        commit = os.environ.get("KILN_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
     result = {"benchmark": "attention", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
               "rows": rows}
     out = Path(args.out) if args.out else root / "benchmarks" / "results" / "attention" / f"attention-{datetime.date.today()}.json"

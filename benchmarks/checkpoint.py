@@ -42,13 +42,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit, src_dirty
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"gpt2-44m": dict(model="gpt2-124m", model_overrides={"n_layer": 6, "n_head": 8, "n_embd": 512,
@@ -254,9 +254,8 @@ def main() -> None:
     finally:
         if not a.dir:
             shutil.rmtree(folder, ignore_errors=True)
-    git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {"benchmark": "checkpoint", "date": time.strftime("%Y-%m-%d"),
-              "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "src")),
+              "commit": commit(), "dirty": src_dirty(),
               "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "python": platform.python_version(), "torch": torch.__version__,

@@ -14,22 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit, gpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-
-
-def _gpu_name() -> str:
-    return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
@@ -83,9 +77,8 @@ def main() -> None:
     state_bytes = sum(int(np.prod(p.shape)) for p in trainer.model.parameters()) * 4 * 3
     interval_stalls = [r["stall_s"] for r in records if r["step"] < args.steps]
     record = {"benchmark": "checkpoint_stall", "date": time.strftime("%Y-%m-%d"),
-              "commit": os.environ.get("KILN_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-              "device": _gpu_name() if args.device == "cuda" else args.device,
+              "commit": commit(),
+              "device": gpu_name() if args.device == "cuda" else args.device,
               "precision": args.precision, "steps": args.steps, "interval": args.interval,
               "state_bytes": state_bytes, "median_step_s": median_step,
               "median_interval_stall_s": float(np.median(interval_stalls)) if interval_stalls else None,

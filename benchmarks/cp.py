@@ -21,12 +21,12 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -161,9 +161,7 @@ def main(argv=None) -> int:
                 continue
             print(f"{row['framework']:9s} {row['T']:7d} {row['transport']:11s} {row['ms']:9.2f} "
                   f"{row['tokens_per_s']:11.0f} {row['peak_bytes']!s:>13s}  {row.get('out_diff_vs_sdpa')}")
-        commit = os.environ.get("KILN_COMMIT") or subprocess.run(  # the device runs a copy of the tree
-            ["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        result = {"benchmark": "cp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
+        result = {"benchmark": "cp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit(),
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),
                   "args": vars(args), "rows": rows}
         out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "cp" / f"cp-{datetime.date.today()}.json"

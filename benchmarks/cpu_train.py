@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import commit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -97,7 +99,7 @@ def main() -> None:
     import torch
     record = {
         "benchmark": "cpu_train", "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "commit": commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,

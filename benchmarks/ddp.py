@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit, gpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -310,12 +309,10 @@ def write(record: dict, args) -> None:
     date = time.strftime("%Y-%m-%d")
     gpu = ""
     if args.device == "cuda":
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False).stdout.strip()
+        gpu = gpu_name()
     record.update(date=date, gpu=gpu or platform.processor(), python=platform.python_version(),
                   command=" ".join(["python", *sys.argv]),
-                  commit=os.environ.get("KILN_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip())
+                  commit=commit())
     with contextlib.suppress(ImportError):
         import torch
         record["torch"] = torch.__version__

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
+
+from provenance import commit, gpu_name
 
 from kiln.distributed import DistributedDataParallel  # noqa: E402
 
@@ -246,12 +246,10 @@ def write(record: dict, timelines: dict, args) -> None:
     date = time.strftime("%Y-%m-%d")
     gpu = ""
     if args.device == "cuda":
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False).stdout.strip()
+        gpu = gpu_name()
     record.update(date=date, gpu=gpu or platform.processor(), python=platform.python_version(),
                   command=" ".join(["python", *sys.argv]),
-                  commit=os.environ.get("KILN_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip())
+                  commit=commit())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"overlap-{date}-w{record['world_size']}-{args.device}"

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit, gpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -345,12 +346,9 @@ def main() -> None:
             print(f"precision logger, {mode}, at kiln's final weights:\n{c.get('headline', c.get('error'))}")
     plot(rows, out / f"{stem}.png")
     import torch
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=False).stdout.strip() if args.device.startswith("cuda") else \
-        platform.processor() or platform.machine()
+    gpu = gpu_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
     record = {"benchmark": "fidelity", "date": date,
-              "commit": os.environ.get("KILN_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip(),
+              "commit": commit(),
               "command": " ".join(["python", *sys.argv]), "device": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "data": str(data),
               "data_meta": json.loads((data / "meta.json").read_text()), "batch": [args.batch_size, args.seq_len],

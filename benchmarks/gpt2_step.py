@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import commit, gpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -240,13 +241,11 @@ def main() -> None:
             r["best_compile"] = best["framework"]
             r["tokens_per_s_vs_compile"] = r["tokens_per_s"] / best["tokens_per_s"]
             r["memory_vs_compile"] = r["peak_allocated_gib"] / best["peak_allocated_gib"]
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
+    gpu = gpu_name()
     import torch
     date = time.strftime("%Y-%m-%d")
     record = {"benchmark": "gpt2_step", "date": date,
-              "commit": os.environ.get("KILN_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+              "commit": commit(),
               "command": " ".join(["python", *sys.argv]), "device": gpu, "torch": torch.__version__,
               "python": platform.python_version(), "batch": [args.batch_size, args.seq_len],
               "n_layer": args.n_layer, "steps": args.steps, "warmup": args.warmup,

@@ -14,12 +14,12 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from provenance import commit
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -384,13 +384,8 @@ def main(argv=None) -> int:
     for name in args.only.split(","):
         rows += BENCHES[name.strip()](k, args.iters)
     root = Path(__file__).resolve().parents[1]
-    try:
-        commit = os.environ.get("KILN_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
     result = {"benchmark": "kernels", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
               "rows": rows}
     out = Path(args.out) if args.out else root / "benchmarks" / "results" / "kernels" / f"kernels-{datetime.date.today()}.json"

@@ -10,13 +10,13 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit, src_dirty
 
 from kiln.data.loader import ShardLoader
 from kiln.data.shards import write_shard
@@ -29,14 +29,6 @@ def machine() -> dict:
                 if line.startswith("model name")), platform.processor())
     return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "numpy": np.__version__, "platform": platform.platform()}
-
-
-def commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
 
 
 def measure(folder: Path, vocab: int, args) -> dict:
@@ -89,7 +81,7 @@ def main() -> None:
             rows[label] = measure(Path(folder), vocab, args)
 
     target = 50e6
-    result = {"name": "loader", "date": datetime.date.today().isoformat(), "commit": commit(),
+    result = {"name": "loader", "date": datetime.date.today().isoformat(), "commit": commit() + ("+dirty" if src_dirty() else ""),
               "machine": machine(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "config": {"batch_size": args.batch_size, "seq_len": args.seq_len, "shards": args.shards,
                          "shard_tokens": args.shard_tokens, "cores": 1, "page_cache": "warm"},

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit, src_dirty
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64}  # head dim 32: a CUDA attention kernel (16 is not)
@@ -111,9 +112,8 @@ def main() -> None:
                       "incidents": incidents}
         print(f"{name}: {rows[name]['classes']} detect {rows[name]['detect_s']} s, recover "
               f"{rows[name]['recovery_s']} s, lost {rows[name]['steps_lost']} steps, equal {equal}", flush=True)
-    git = lambda *args: subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    record = {"benchmark": "recovery", "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("KILN_COMMIT") or git("rev-parse", "HEAD"),
-              "dirty": bool(git("status", "--porcelain", "--", "src")),
+    record = {"benchmark": "recovery", "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+              "dirty": src_dirty(),
               "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "load_average": os.getloadavg()},

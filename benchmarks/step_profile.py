@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from provenance import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -117,8 +116,7 @@ def main() -> None:
     fpt = gpt_flops_per_token(cfg, args.seq_len)
     gemm_peak = limits["gemm_tflops"].get(args.mode) or limits["gemm_tflops"]["fp32"]
     record = {"benchmark": "step_profile", "date": date, "command": " ".join(["python", *sys.argv]),
-              "commit": os.environ.get("KILN_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip(),
+              "commit": commit(),
               "device": limits["device"], "ceilings": limits, "model": args.model, "mode": args.mode,
               "batch": [args.batch_size, args.seq_len], "flops_per_token": fpt,
               "eager_step_ms": eager_ms, "profiled_eager_step_ms": float(np.median(profiled)),

@@ -24,12 +24,12 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from provenance import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -243,9 +243,7 @@ def main(argv=None) -> int:
             print(f"{row['framework']:12s} N={row['chunks']!s:5s} {row['tokens_per_s']:12.0f} tok/s  "
                   f"peak {row['peak_bytes']!s:>12s} B  loss diff {row['loss_diff']:.2e}  "
                   f"grad norm diff {row['grad_norm_diff']:.2e}")
-        commit = os.environ.get("KILN_COMMIT") or subprocess.run(  # the device runs a copy of the tree
-            ["git", "rev-parse", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        result = {"benchmark": "tp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
+        result = {"benchmark": "tp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit(),
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),
                   "args": vars(args), "rows": rows}
         out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "tp" / f"tp-{datetime.date.today()}.json"

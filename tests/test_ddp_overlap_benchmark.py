@@ -1,7 +1,6 @@
 """benchmarks/ddp_overlap.py: the timeline arithmetic on a made-up CUDA trace, and its CPU path on
 two MPI ranks, where each bucket's collective is in flight while backward still runs."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,16 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_support import load_benchmark
 from tests.mpi_runner import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("ddp_overlap", ROOT / "benchmarks" / "ddp_overlap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("ddp_overlap")
 
 
 def kernel(name, stream, ts, dur):

@@ -1,7 +1,6 @@
 """benchmarks/fidelity.py: the gap arithmetic, the corpus it finds on the machine, and a short
 kiln-vs-PyTorch run on the CPU whose curves agree to fp32 rounding."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_support import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fidelity")
 
 
 def test_gaps_are_the_largest_difference_at_an_evaluation_and_targets_follow_the_paper():

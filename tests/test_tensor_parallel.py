@@ -53,12 +53,8 @@ def test_tp_benchmark_torch_peer_trains_the_same_losses_on_two_ranks(peer, tmp_p
 def test_async_tp_trace_counts_kernels_by_stream_and_the_collective_time_under_gemms():
     """benchmarks/async_tp_trace.py's reading of a Chrome trace: two chunks' GEMMs on stream 7, their
     all-reduces on stream 20, the first all-reduce half under the second GEMM, the last after it."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("async_tp_trace", Path(__file__).parents[1] / "benchmarks" /
-                                                  "async_tp_trace.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from tests.benchmark_support import load_benchmark
+    mod = load_benchmark("async_tp_trace")
 
     def kernel(name, ts, dur, stream):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}

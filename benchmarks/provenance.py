@@ -1,0 +1,35 @@
+"""What every benchmark result file records about where its figures come from: the commit they were
+measured at and the GPU they ran on. Benchmarks run as scripts from this folder and import it by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*cmd: str) -> str:
+    """A command's output, "" when it is missing or fails."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
+
+
+def commit() -> str:
+    """KILN_COMMIT when set (a device run: the machine gets a copy of the working tree, whose git HEAD
+    need not be the commit measured), else this checkout's HEAD."""
+    return os.environ.get("KILN_COMMIT") or _run("git", "rev-parse", "HEAD")
+
+
+def src_dirty() -> bool:
+    """Whether tracked files under src/ differ from HEAD: the figures are then of uncommitted code."""
+    return bool(_run("git", "status", "--porcelain", "--untracked-files=no", "--", "src"))
+
+
+def gpu_name() -> str:
+    """'name, driver version' of the first GPU as nvidia-smi reports it ("" without one)."""
+    lines = _run("nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader").splitlines()
+    return lines[0] if lines else ""
