@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -24,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import BF16, median_ms  # noqa: E402
-from provenance import commit
+from result_file import commit, write_json
 
 SHAPES = [  # (B, H, T, D)
     (16, 12, 1024, 64),  # GPT-2 124M's step
@@ -99,10 +98,8 @@ def main(argv=None) -> int:
               "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
               "rows": rows}
-    out = Path(args.out) if args.out else root / "benchmarks" / "results" / "attention" / f"attention-{datetime.date.today()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(result, Path(args.out) if args.out else
+               root / "benchmarks" / "results" / "attention" / f"attention-{datetime.date.today()}.json")
     return 0
 
 

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import commit, src_dirty
+from result_file import commit, src_dirty
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"gpt2-44m": dict(model="gpt2-124m", model_overrides={"n_layer": 6, "n_head": 8, "n_embd": 512,

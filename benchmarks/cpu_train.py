@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import commit
+from result_file import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
-from provenance import commit, gpu_name
+from result_file import commit, gpu_name
 
 from kiln.distributed import DistributedDataParallel  # noqa: E402
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import commit, gpu_name
+from result_file import commit, gpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

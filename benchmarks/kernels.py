@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from provenance import commit
+from result_file import commit, write_json
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -388,10 +387,8 @@ def main(argv=None) -> int:
               "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
               "rows": rows}
-    out = Path(args.out) if args.out else root / "benchmarks" / "results" / "kernels" / f"kernels-{datetime.date.today()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(result, Path(args.out) if args.out else
+               root / "benchmarks" / "results" / "kernels" / f"kernels-{datetime.date.today()}.json")
     return 0
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import commit, src_dirty
+from result_file import commit, src_dirty
 
 from kiln.data.loader import ShardLoader
 from kiln.data.shards import write_shard

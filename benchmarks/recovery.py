@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from provenance import commit, src_dirty
+from result_file import commit, src_dirty
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 64}  # head dim 32: a CUDA attention kernel (16 is not)

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from provenance import commit
+from result_file import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from provenance import commit
+from result_file import commit, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -246,10 +245,8 @@ def main(argv=None) -> int:
         result = {"benchmark": "tp", "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit(),
                   "world_size": env.world_size, "device": args.device, "command": " ".join(sys.argv),
                   "args": vars(args), "rows": rows}
-        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "tp" / f"tp-{datetime.date.today()}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {out}")
+        write_json(result, Path(args.out) if args.out else
+                   ROOT / "benchmarks" / "results" / "tp" / f"tp-{datetime.date.today()}.json")
     return 0
 
 

@@ -1,8 +1,10 @@
-"""What every benchmark result file records about where its figures come from: the commit they were
-measured at and the GPU they ran on. Benchmarks run as scripts from this folder and import it by name."""
+"""The result file every benchmark writes: where its figures come from (the commit they were measured at,
+the GPU they ran on) and the writing itself. Benchmarks run as scripts from this folder and import it by
+name."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -33,3 +35,12 @@ def gpu_name() -> str:
     """'name, driver version' of the first GPU as nvidia-smi reports it ("" without one)."""
     lines = _run("nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader").splitlines()
     return lines[0] if lines else ""
+
+
+def write_json(record: dict, path: Path) -> Path:
+    """record as indented JSON at path (its folders made); says where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    print(f"wrote {path}")
+    return path
