@@ -73,3 +73,20 @@ def test_only_the_backend_imports_cupy():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupyx'] = None\n"
             "import kiln, kiln.train, kiln.cli, kiln.data.staging, kiln.checkpoint.async_save, kiln.profiler\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_op_without_a_cuda_kernel_for_its_arguments_says_it_runs_on_the_cpu():
+    """backend/cuda's CPU fallback (e.g. attention at head dim 16: the kernels take 32, 64, 128) warns:
+    in silence a GPU run would be slow and its step uncapturable with no word why (the H200 recovery
+    tests of 2026-12-04 ran so, unseen until their graph assertions failed)."""
+    import numpy as np
+
+    from kiln.backend.cuda.launch import cpu_fallback
+
+    def attention_fwd(q, scale):
+        return q.shape[-1] * scale
+
+    q = np.zeros((2, 4, 8, 16), np.float32)
+    with pytest.warns(RuntimeWarning, match=r"attention_fwd has no CUDA kernel for these arguments "
+                                            r"\(float32 \[2, 4, 8, 16\]\): it runs on the CPU"):
+        assert cpu_fallback(attention_fwd, q, 2.0) == 32.0

@@ -10,6 +10,7 @@ backend's kernel on a host copy (correct, slow, and never on a training hot path
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 
@@ -107,7 +108,12 @@ def to_device(x):
 
 
 def cpu_fallback(fn, *args):
-    """Run the CPU backend's `fn` on host copies of the device arrays and bring the results back."""
+    """Run the CPU backend's `fn` on host copies of the device arrays and bring the results back. It says
+    so (a RuntimeWarning, once per op and arguments): on a GPU run that op is slow, and a training step
+    that uses it cannot be captured as a CUDA graph, so the user should hear why."""
+    arrays = ", ".join(f"{a.dtype} {list(a.shape)}" for a in args if hasattr(a, "shape") and hasattr(a, "dtype"))
+    warnings.warn(f"kiln: {fn.__name__} has no CUDA kernel for these arguments ({arrays}): it runs on the CPU, "
+                  "with copies both ways, and a training step that uses it runs op by op", RuntimeWarning, stacklevel=3)
     return to_device(fn(*[to_host(a) for a in args]))
 
 
