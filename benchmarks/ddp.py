@@ -30,13 +30,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from result_file import commit, gpu_name
+from result_file import run_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -306,13 +305,8 @@ def main() -> None:
 
 
 def write(record: dict, args) -> None:
-    date = time.strftime("%Y-%m-%d")
-    gpu = ""
-    if args.device == "cuda":
-        gpu = gpu_name()
-    record.update(date=date, gpu=gpu or platform.processor(), python=platform.python_version(),
-                  command=" ".join(["python", *sys.argv]),
-                  commit=commit())
+    record.update(run_fields(args.device))
+    date = record["date"]
     with contextlib.suppress(ImportError):
         import torch
         record["torch"] = torch.__version__

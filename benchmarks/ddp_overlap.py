@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
-from result_file import commit, gpu_name
+from result_file import run_fields
 
 from kiln.distributed import DistributedDataParallel  # noqa: E402
 
@@ -243,13 +242,8 @@ def write(record: dict, timelines: dict, args) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    date = time.strftime("%Y-%m-%d")
-    gpu = ""
-    if args.device == "cuda":
-        gpu = gpu_name()
-    record.update(date=date, gpu=gpu or platform.processor(), python=platform.python_version(),
-                  command=" ".join(["python", *sys.argv]),
-                  commit=commit())
+    record.update(run_fields(args.device))
+    date = record["date"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"overlap-{date}-w{record['world_size']}-{args.device}"

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +38,12 @@ def gpu_name() -> str:
     """'name, driver version' of the first GPU as nvidia-smi reports it ("" without one)."""
     lines = _run("nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader").splitlines()
     return lines[0] if lines else ""
+
+
+def run_fields(device: str) -> dict:
+    """The date, the machine (the GPU on cuda, else the processor), Python, the command and the commit."""
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": (gpu_name() if device == "cuda" else "") or platform.processor(),
+            "python": platform.python_version(), "command": " ".join(["python", *sys.argv]), "commit": commit()}
 
 
 def write_json(record: dict, path: Path) -> Path:
