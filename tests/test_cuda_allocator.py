@@ -274,3 +274,38 @@ def test_a_finalizer_that_frees_inside_malloc_does_not_deadlock():
     assert not worker.is_alive(), "malloc deadlocked on a free made by a finalizer inside it"
     assert done and a.memory_stats()["allocated_bytes"] == a.rounding(1 << 20)  # victim's free was done
     assert a.malloc(4096) == victim  # and its block is in the cache
+
+
+def test_a_finalizer_between_taking_the_lock_and_entering_the_section_does_not_deadlock():
+    """The same collection can come at the instant the lock is taken, before the section counts
+    itself (the H200 suite hung there too, in adamw's free, with release_pool's finalizer waiting on
+    the lock): the finalizer's call runs at once, before the section begins."""
+    import threading
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free, record=False)
+    victim, pool = a.malloc(4096), GraphPool()
+    with a.capture_into(pool):
+        captured = a.malloc(8192)
+    a.free(captured)
+    finalizers = [lambda: a.release_pool(pool), lambda: a.free(victim)]
+
+    class CollectingLock:  # takes the real lock, then the garbage collector runs a finalizer
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            self.lock.__enter__()
+            if finalizers:
+                finalizers.pop()()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    a._lock = CollectingLock(a._lock)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(a.malloc(1 << 20)), daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive(), "a finalizer at the lock's entry deadlocked"
+    assert not finalizers and done
+    assert a.malloc(4096) == victim and a.malloc(8192) == captured  # both came back to the eager cache

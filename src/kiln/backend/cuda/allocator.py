@@ -136,8 +136,8 @@ class CachingAllocator:
         self._driver_free = driver_free or _cuda_free
         self._driver_sync = driver_sync or (_cuda_sync if driver_malloc is None else (lambda: None))
         self.rounding = rounding or Rounding()
-        self._lock = threading.Lock()
-        self._holder: int | None = None  # the thread inside a locked section (see _locked)
+        self._lock = threading.RLock()
+        self._depth = 0  # how many locked sections the lock's holder is inside (see _locked)
         self._deferred: list = []  # frees and pool releases asked for by finalizers inside a locked section
         self._free: dict = {}   # (device, rounded size) -> [ptr]
         self._live: dict = {}   # ptr -> (device, rounded size, requested size, trace id)
@@ -186,10 +186,10 @@ class CachingAllocator:
             return ptr
 
     def free(self, ptr: int, device_id: int = 0) -> None:
-        if self._holder == threading.get_ident():  # a finalizer inside one of this thread's locked sections
-            self._deferred.append(lambda: self.free(ptr, device_id))
-            return
-        with self._locked():
+        with self._locked() as inside:
+            if inside:  # a finalizer inside one of this thread's locked sections
+                self._deferred.append(lambda: self.free(ptr, device_id))
+                return
             got = self._live.pop(ptr, None)
             if got is None:
                 return
@@ -237,24 +237,25 @@ class CachingAllocator:
 
     @contextlib.contextmanager
     def _locked(self):
-        """The allocator's lock. Python's garbage collector can run inside a locked section (any object
-        allocation may trigger it) and collect an array or a dropped graph, whose finalizer calls free
-        or release_pool on this same thread: those calls are deferred (a plain Lock would deadlock, an
-        RLock would change the pools under the section's feet) and done here before the lock is left."""
+        """The allocator's lock; yields whether this thread was already inside a locked section.
+
+        Python's garbage collector can run anywhere in a locked section (any object allocation may
+        trigger it) and collect an array or a dropped graph, whose finalizer calls free or
+        release_pool on this same thread. The lock is reentrant, so that call does not deadlock, and
+        free/release_pool see `inside` and defer themselves (running them there would change the pools
+        under the outer section's feet); the outermost section runs the deferred calls as it leaves.
+        A collection between taking the lock and counting the depth, or between uncounting and
+        leaving, finds depth 0 and runs at once, which is safe: the outer section has not begun or is
+        done."""
         with self._lock:
-            self._holder = threading.get_ident()
+            inside = self._depth > 0
+            self._depth += 1
             try:
-                yield
-                while self._deferred:
-                    self._holder = None  # the deferred call takes the lock itself
-                    self._lock.release()
-                    try:
-                        self._deferred.pop(0)()
-                    finally:
-                        self._lock.acquire()
-                        self._holder = threading.get_ident()
+                yield inside
             finally:
-                self._holder = None
+                self._depth -= 1
+                while not inside and self._deferred:
+                    self._deferred.pop(0)()  # depth 0 again: the deferred call runs now
 
     def _release_locked(self) -> int:
         released = 0
@@ -307,10 +308,10 @@ class CachingAllocator:
 
     def release_pool(self, pool: GraphPool) -> None:
         """The graph is dropped: its free blocks join the eager cache; blocks still live follow on free."""
-        if self._holder == threading.get_ident():
-            self._deferred.append(lambda: self.release_pool(pool))
-            return
-        with self._locked():
+        with self._locked() as inside:
+            if inside:
+                self._deferred.append(lambda: self.release_pool(pool))
+                return
             if pool in self._pools:
                 self._pools.remove(pool)
             live = {p for p in pool.blocks if p in self._live}
