@@ -259,7 +259,8 @@ def test_a_finalizer_that_frees_inside_malloc_does_not_deadlock():
         captured = a.malloc(8192)
     a.free(captured)
     a.release_pool(pool)
-    finalizers = [lambda: a.free(victim), lambda: a.release_pool(pool)]
+    crowd = [a.malloc(256) for _ in range(3000)]  # one collection can free a whole cycle of arrays
+    finalizers = [lambda: a.free(victim), lambda: a.release_pool(pool)] + [lambda p=p: a.free(p) for p in crowd]
 
     def collecting_malloc(size, device_id):  # a driver call inside malloc's locked section runs a finalizer
         while finalizers:

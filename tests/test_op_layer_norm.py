@@ -24,6 +24,17 @@ def test_layer_norm(bias):
     gradcheck(lambda *t: F.layer_norm(*t), *args)
 
 
+def test_the_cpu_backward_without_a_weight_is_the_backward_with_ones():
+    """The CPU reference the CUDA kernels are checked against takes weight None (an affine-free
+    LayerNorm); it once read None's dtype, which only the CUDA tests reached."""
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((5, 12)).astype(np.float32), rng.standard_normal((5, 12)).astype(np.float32)
+    _, mean, rstd = cpu.layer_norm_fwd(x, None, None, 1e-5)
+    dx, dw, db = cpu.layer_norm_bwd(g, x, None, mean, rstd, False, False)
+    dx1, _, _ = cpu.layer_norm_bwd(g, x, np.ones(12, np.float32), mean, rstd, False, False)
+    assert dw is None and db is None and dx.dtype == np.float32 and np.array_equal(dx, dx1)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_add_layer_norm_matches_pytorch_and_finite_differences(bias):
     x, y, w, b = randn(2, 3, 6) * 3 + 1, randn(2, 3, 6), randn(6), randn(6)

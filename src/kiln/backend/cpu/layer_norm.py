@@ -37,7 +37,7 @@ def _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=
     g = upcast(grad)
     xhat = upcast(x) - mean[:, None]
     xhat *= rstd[:, None]
-    pdtype = weight.dtype if param_grad_dtype is None else param_grad_dtype
+    pdtype = param_grad_dtype or (weight.dtype if weight is not None else x.dtype)  # no weight: no dw/db either
     dw = np.einsum("ij,ij->j", g, xhat).astype(pdtype, copy=False) if need_dw else None
     db = g.sum(axis=0).astype(pdtype, copy=False) if need_db else None
     gw = g * upcast(weight) if weight is not None else g

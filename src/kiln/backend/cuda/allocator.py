@@ -138,6 +138,7 @@ class CachingAllocator:
         self.rounding = rounding or Rounding()
         self._lock = threading.RLock()
         self._depth = 0  # how many locked sections the lock's holder is inside (see _locked)
+        self._draining = False  # the outermost section is running the deferred calls
         self._deferred: list = []  # frees and pool releases asked for by finalizers inside a locked section
         self._free: dict = {}   # (device, rounded size) -> [ptr]
         self._live: dict = {}   # ptr -> (device, rounded size, requested size, trace id)
@@ -254,8 +255,13 @@ class CachingAllocator:
                 yield inside
             finally:
                 self._depth -= 1
-                while not inside and self._deferred:
-                    self._deferred.pop(0)()  # depth 0 again: the deferred call runs now
+                if not inside and not self._draining:  # one loop runs them all: a collection may defer
+                    self._draining = True                # hundreds of frees, and nesting would recurse
+                    try:
+                        while self._deferred:
+                            self._deferred.pop(0)()  # depth 0 again: the deferred call runs now
+                    finally:
+                        self._draining = False
 
     def _release_locked(self) -> int:
         released = 0
