@@ -69,6 +69,27 @@ def test_a_host_sync_inside_the_step_is_a_clear_error():
         step(kiln.tensor(np.ones(4, np.float32), device="cuda"))
 
 
+@gpu
+def test_a_failed_capture_gives_back_what_the_step_allocated():
+    """The memory a failed capture's step allocated (held by the traceback, partly in cycles) is
+    back in the eager cache when the error arrives, so the step can run op by op at once."""
+    from kiln.backend.cuda import allocator
+    from kiln.graph import GraphCaptureError
+
+    def body(x):
+        big = x * 2.0  # 64 MiB in the capture's pool, held by this frame
+        cycle = {"big": big}
+        cycle["self"] = cycle  # only a collection frees it
+        return x * float(big.sum().item())  # a host sync: the capture fails
+
+    x = kiln.tensor(np.ones(1 << 24, np.float32), device="cuda")
+    alloc = allocator.installed()
+    before = alloc.memory_stats()["allocated_bytes"]
+    with pytest.raises(GraphCaptureError, match="host"):
+        CapturedStep(body)(x)
+    assert alloc.memory_stats()["allocated_bytes"] == before
+
+
 def _train(precision, graph, steps=8):
     rng = np.random.default_rng(5)
     model = GPT(CFG, generator=kiln.Generator(3)).to("cuda")

@@ -7,6 +7,8 @@ GraphPool of its own, so the addresses the graph recorded stay reserved for it (
 
 from __future__ import annotations
 
+import gc
+import traceback
 import weakref
 
 from kiln.backend.cuda import allocator, device as rt
@@ -61,6 +63,12 @@ def capture(fn) -> CapturedGraph:
                 s.end_capture()
             except Exception:  # the capture was already invalidated by the failure
                 pass
+            # What the failed step allocated (its activations, its gradients) is held by the
+            # traceback's frames, some in reference cycles: free it now, into the pool, and give the
+            # pool to the eager cache. Left to a later collection, the step that runs op by op after
+            # the failure found the device full (the 76-layer fp32 model OOMed so on the H200).
+            traceback.clear_frames(e.__traceback__)
+            gc.collect()
             alloc.release_pool(pool)
             raise GraphCaptureError(f"recording the step as a CUDA graph failed: {type(e).__name__}: {e}. "
                                     "Something in the step synchronises with the host or cannot be "
