@@ -163,7 +163,7 @@ def main() -> None:
     from benchmarks.ddp import batches_for, kiln_model
     from kiln.graph import CapturedStep
     from kiln.optim import AdamW, gpt_param_groups
-    from kiln.train import apply_precision
+    from kiln.train import apply_precision, plain_step
     world = dist.init_process_group("nccl" if args.device == "cuda" else "mpi")
     dev = kiln.device(args.device)
     model, _ = kiln_model(args)
@@ -174,14 +174,7 @@ def main() -> None:
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
     x, y = (kiln.tensor(a, device=dev) for a in batches_for(world.rank, argparse.Namespace(**{**vars(args), "steps": 1}))[0])
 
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        ddp.wait_gradients()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        return loss
+    step = plain_step(model, opt, after_backward=ddp.wait_gradients)
 
     record = {"benchmark": "ddp_overlap", "world_size": world.size, "device": args.device, "mode": args.mode,
               "batch_per_rank": [args.batch_size, args.seq_len], "n_layer": args.n_layer, "n_embd": args.n_embd,

@@ -50,7 +50,7 @@ def run_kiln(args, batches):
     import kiln
     from kiln.graph import CapturedStep
     from kiln.optim import AdamW, gpt_param_groups
-    from kiln.train import apply_precision
+    from kiln.train import apply_precision, plain_step
     model, _ = _model(args)
     model.fused_lm_head = args.framework != "kiln-whole-logits"
     dev = kiln.device("cuda")
@@ -59,13 +59,7 @@ def run_kiln(args, batches):
     backend = dev.backend
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
 
-    def step(x, y):  # the Trainer's step: the clip fused into AdamW
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        return loss
+    step = plain_step(model, opt)  # the Trainer's step: the clip fused into AdamW
 
     graph = CapturedStep(step) if args.cuda_graph else None
     on_device = [(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev)) for x, y in batches]
