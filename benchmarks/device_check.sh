@@ -9,8 +9,11 @@
 # launch, precision, profiler), gpt2 (gpt2_step bf16: kiln vs eager vs compile),
 # ddp / tp / cp (the parallel benchmarks at world size 1), tptrace (the async-TP schedule, N = 1 and 4,
 # in a CUPTI trace at world size 1), precision (kiln compare on the GPU in
-# bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), fidelity (kiln,
-# eager and compile loss curves from the same weights, 300 steps of B8, fp32 and bf16),
+# bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), the paper's Figure 3
+# in three parts, one run (2000 steps of B4 T1024 from the same weights on the same random windows of 2000
+# Python source files): fidelity-fp32 (kiln and eager, ~400 s: a call of its own), fidelity-fp32-compile
+# (~250 s: the fp32 band) and fidelity-bf16 (kiln, eager, compile, ~250 s), the last two one call; then on
+# any machine: python benchmarks/fidelity.py --merge benchmarks/results/fidelity/fidelity-<date>-2000steps-*.json
 # launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered), launch-tests
 # (issue 16's CUDA tests: recovery bit for bit, NCCL abort through the store, NVML and NUMA pinning),
 # overlap (a DDP step's bucket collectives against backward, traced), ceilings (GEMM and copy, measured afresh).
@@ -45,8 +48,12 @@ for p in "$@"; do
                    part precision-fp32 45 python3 -m kiln.cli compare --config gpt2-124m --device cuda \
                        --precision fp32 --batch-size 4 --seq-len 1024 --out "$LOGS/compare-fp32" ;;
         profile) part step_profile 120 python3 benchmarks/step_profile.py --mode bf16 ;;
-        fidelity) part fidelity 330 python3 benchmarks/fidelity.py --modes bf16,fp32 --steps 300 --eval-interval 50 \
-                      --batch-size 8 --max-files 1500 ;;
+        fidelity-fp32) part fidelity-fp32 560 python3 benchmarks/fidelity.py --modes fp32 --frameworks kiln,eager \
+                           --site-packages --max-files 2000 ;;
+        fidelity-fp32-compile) part fidelity-fp32-compile 330 python3 benchmarks/fidelity.py --modes fp32 \
+                                   --frameworks compile --site-packages --max-files 2000 ;;
+        fidelity-bf16) part fidelity-bf16 330 python3 benchmarks/fidelity.py --modes bf16 --site-packages \
+                           --max-files 2000 ;;
         overlap) part ddp_overlap 90 python3 benchmarks/ddp_overlap.py ;;
         ceilings) part ceilings 30 python3 -c "import kiln; from kiln.profiler.ceilings import measure; \
                       print(measure(kiln.device('cuda')))" ;;
