@@ -155,6 +155,7 @@ class Batches:
         return [self._cut("val", at) for at in self.val_at]
 
     def digests(self) -> dict:
+        """{"train": ..., "val": ...}: SHA-256 hex digests of the tokens served so far."""
         return {split: sha.hexdigest() for split, sha in self._sha.items()}
 
     def _cut(self, split: str, offsets: np.ndarray):
