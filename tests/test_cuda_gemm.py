@@ -102,6 +102,27 @@ def test_linear_bias_grad_is_a_deterministic_column_sum(gpu, shape, dtype):
     assert np.array_equal(gpu.to_numpy(again), gpu.to_numpy(db))
 
 
+@pytest.mark.parametrize("parts", [1, 3, 129, 700])
+@pytest.mark.parametrize("c", [5, 8, 768, 1001])
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["fp32", "bf16"])
+def test_column_sum_finish_adds_every_part_of_both_outputs(gpu, parts, c, dtype):
+    """column_sum_finish on its own: outputs 0 and 1 the column sums of their parts' rows (float4 lanes when
+    c % 4 == 0, one float else; part counts below, at and past its 128 part lanes), a None output skipped,
+    the same bits on a second call."""
+    from kiln.backend.cuda.launch import column_sum_finish
+    rng = np.random.default_rng(parts * 10007 + c)
+    partial = rng.standard_normal((2 * parts, c)).astype(np.float32)
+    ref = partial.astype(np.float64).reshape(2, parts, c).sum(axis=1)
+    p = gpu.asarray(partial)
+    outs = [gpu.empty((c,), dtype), gpu.empty((c,), dtype)]
+    column_sum_finish("matmul.cu", p, parts, c, outs)
+    for out, r in zip(outs, ref):
+        assert rel(gpu.to_numpy(out), r) <= (1e-6 if dtype == np.float32 else 1e-2)
+    again = gpu.empty((c,), dtype)
+    column_sum_finish("matmul.cu", p, parts, c, (None, again))
+    assert np.array_equal(gpu.to_numpy(again), gpu.to_numpy(outs[1]))
+
+
 def test_gemm_gelu_aux_bias_epilogue(gpu):
     from kiln.backend.cuda import cublaslt
     rng = np.random.default_rng()

@@ -13,6 +13,7 @@ from kiln.backend.cuda.launch import (
     cdiv,
     column_parts,
     column_sum_finish,
+    column_sum_finish_kernels,
     contiguous,
     cpu_fallback,
     ctype,
@@ -23,7 +24,7 @@ from kiln.backend.cuda.launch import (
 
 register_family("gelu.cu", [f"gelu_fwd<{t}>" for t in FLOAT_CTYPES] + [f"gelu_bwd<{t}>" for t in FLOAT_CTYPES]
                 + [f"gelu_bwd_bias_part<{t}, {v}>" for t in FLOAT_CTYPES for v in ("true", "false")]
-                + [f"column_sum_finish<{t}>" for t in FLOAT_CTYPES])
+                + column_sum_finish_kernels(FLOAT_CTYPES))
 
 
 _MAX_BLOCKS = 1 << 20

@@ -52,12 +52,13 @@ def contiguous(a):
     return a if a.flags.c_contiguous else rt.cupy().ascontiguousarray(a)
 
 
-# A column reduction over rows (a bias or LayerNorm-parameter gradient) in two deterministic steps:
-# blocks of COLUMN_PART_THREADS threads each sum ROWS_PER_PART rows of their columns into one fp32
-# row of partial sums, then column_sum_finish (common.cuh) adds the rows in a fixed order.
+# A column reduction over rows (a bias or LayerNorm-parameter gradient) in two deterministic steps
+# (kernels/column_sum.cuh): blocks of COLUMN_PART_THREADS threads each sum ROWS_PER_PART rows of their
+# columns into one fp32 row of partial sums, then column_sum_finish adds the rows in a fixed order.
 ROWS_PER_PART = 32        # ~12 blocks an SM over GPT-2's [16384, 3072] gradients: loads in flight
 COLUMN_PART_THREADS = 128
-FINISH_THREADS = 256      # column_sum_finish: 8 warps, each adding every 8th part of 32 columns
+FINISH_COLUMNS = 8        # column_sum_finish: a block's columns (one 32-byte sector of each partial row)
+FINISH_THREADS = 256      # its (column lane, part lane) threads: 128 part lanes of float4, or 32 of floats
 _MAX_GRID_Y = 65535
 
 
@@ -69,13 +70,20 @@ def column_parts(rows: int, c: int, vec_pack: int):
     return (cdiv(cdiv(c, vec_pack), COLUMN_PART_THREADS), parts), per_part, parts
 
 
+def column_sum_finish_kernels(ctypes) -> list[str]:
+    """The column_sum_finish instantiations a family that launches it registers, for output types ctypes."""
+    return [f"column_sum_finish<{t}, {FINISH_COLUMNS}, {v}>" for t in ctypes for v in ("true", "false")]
+
+
 def column_sum_finish(family: str, partial, parts: int, c: int, outs) -> None:
     """outs[i] = the column sums of partial's fp32 rows [i * parts, (i + 1) * parts), in a fixed order, for
     each of the one or two outputs (None: not wanted), all of one dtype (family: the kernel file that
-    instantiates column_sum_finish for it)."""
+    registers column_sum_finish_kernels for it)."""
     dtype = next(o.dtype for o in outs if o is not None)
-    get_kernel(family, f"column_sum_finish<{ctype(dtype)}>")(
-        (cdiv(c, 32), len(outs)), (FINISH_THREADS,), (partial, i32(parts), i32(c), *outs, *(None,) * (2 - len(outs))))
+    vec = "true" if c % 4 == 0 and aligned16(partial) else "false"
+    get_kernel(family, f"column_sum_finish<{ctype(dtype)}, {FINISH_COLUMNS}, {vec}>")(
+        (cdiv(c, FINISH_COLUMNS), len(outs)), (FINISH_THREADS,),
+        (partial, i32(parts), i32(c), *outs, *(None,) * (2 - len(outs))))
 
 
 def as_index(a):

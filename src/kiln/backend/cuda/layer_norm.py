@@ -18,6 +18,7 @@ from kiln.backend.cuda.launch import (
     aligned16,
     cdiv,
     column_sum_finish,
+    column_sum_finish_kernels,
     contiguous,
     cpu_fallback,
     ctype,
@@ -50,8 +51,8 @@ def _instantiations():
                 if c in LAYER_NORM_BWD_WIDTHS:
                     out += [f"layer_norm_bwd_reg<{t}, {c}>", f"add_layer_norm_bwd_reg<{t}, {c}>"]
         out += [f"layer_norm_fwd_any<{t}>", f"layer_norm_bwd_any<{t}>", f"add_layer_norm_fwd_any<{t}>",
-                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>", f"column_sum_finish<{t}>"]
-    return out
+                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>"]
+    return out + column_sum_finish_kernels(FLOAT_CTYPES)
 
 
 register_family("layer_norm.cu", _instantiations(), defines={"KILN_LN_WARPS": _ROWS_PER_BLOCK})

@@ -20,6 +20,7 @@ from kiln.backend.cuda.launch import (
     aligned16,
     column_parts,
     column_sum_finish,
+    column_sum_finish_kernels,
     contiguous,
     cpu_fallback,
     ctype,
@@ -29,7 +30,7 @@ from kiln.backend.cuda.launch import (
 
 # The GEMMs are cuBLASLt's; matmul.cu holds the bias gradient's column sums.
 register_family("matmul.cu", [f"column_sum_part<{t}, {v}>" for t in FLOAT_CTYPES for v in ("true", "false")]
-                + [f"column_sum_finish<{t}>" for t in FLOAT_CTYPES])
+                + column_sum_finish_kernels(FLOAT_CTYPES))
 
 
 def _gemm_dtype(*arrays) -> bool:

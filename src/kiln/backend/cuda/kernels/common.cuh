@@ -179,30 +179,3 @@ __device__ __forceinline__ MaxSum row_max_sum(const T* __restrict__ xr, int C, b
 }
 
 }  // namespace kiln
-
-// out_y[c] = the sum over k < parts of partial[y * parts + k][c] for y = blockIdx.y (out0, out1; a
-// null out is skipped): the finish of a deterministic column reduction (a bias or LayerNorm
-// parameter gradient) whose blocks each wrote one fp32 row of partial sums. The order is fixed: a
-// block takes 32 columns (one per lane, so each part's read is one coalesced 128-byte piece) and its
-// blockDim.x / 32 warps take every (blockDim.x / 32)-th part; the warps' sums are added in warp order.
-// A family that launches it lists its instantiations (gelu.cu, layer_norm.cu).
-template <typename T>
-__global__ void __launch_bounds__(1024) column_sum_finish(const float* __restrict__ partial, int parts, int C,
-                                                          T* __restrict__ out0, T* __restrict__ out1) {
-    T* __restrict__ out = blockIdx.y == 0 ? out0 : out1;
-    if (out == nullptr) return;
-    __shared__ float sums[32][33];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int c = blockIdx.x * 32 + lane;
-    const float* __restrict__ rows = partial + (long long)blockIdx.y * parts * C;
-    float t = 0.0f;
-    if (c < C)
-        for (int k = warp; k < parts; k += warps) t += rows[(long long)k * C + c];
-    sums[warp][lane] = t;
-    __syncthreads();
-    if (warp == 0 && c < C) {
-        float s = 0.0f;
-        for (int w = 0; w < warps; ++w) s += sums[w][lane];
-        out[c] = kiln::from_float<T>(s);
-    }
-}

@@ -1,7 +1,7 @@
 // GELU in GPT-2's tanh form, forward and backward: elementwise, 16-byte packs, fp32 math.
 // The host passes n_vec = n / Pack::N when every pointer is 16-byte aligned (else 0); the
 // tail and unaligned arrays take the scalar loop.
-#include "common.cuh"
+#include "column_sum.cuh"
 
 namespace {
 
@@ -57,43 +57,33 @@ __global__ void gelu_bwd(const T* __restrict__ g, const T* __restrict__ x, T* __
 
 // gelu_bwd of x [rows, C] that also sums dx (as stored, rounded to T) over the rows: the bias
 // gradient of the linear layer before the GELU rides in the pass that makes dx, instead of a
-// second read of dx (cuBLASLt's BGRADB runs one). Block (bx, part) covers rows
-// [part * rows_per_part, +rows_per_part) of its columns and writes their fp32 sums to
-// partial[part][C]; column_sum_finish adds the parts in a fixed order (deterministic, no atomics).
-// kVec: a thread owns one 16-byte pack of columns (the host checked C % Pack::N == 0 and the
-// alignment), else one column.
+// second read of dx (cuBLASLt's BGRADB runs one). The part step of column_sum.cuh over the
+// elements GeluBwdElems makes (and stores), then column_sum_finish.
+template <typename T>
+struct GeluBwdElems {
+    const T* __restrict__ g;
+    const T* __restrict__ x;
+    T* __restrict__ dx;
+    __device__ __forceinline__ kiln::Pack<T> pack(long long off) const {
+        using namespace kiln;
+        const Pack<T> a = load_pack(x + off);
+        const Pack<T> b = load_pack(g + off);
+        Pack<T> o;
+#pragma unroll
+        for (int j = 0; j < Pack<T>::N; ++j) o.v[j] = from_float<T>(to_float(b.v[j]) * gelu_grad(to_float(a.v[j])));
+        store_pack(dx + off, o);
+        return o;
+    }
+    __device__ __forceinline__ T one(long long off) const {
+        using namespace kiln;
+        const T o = from_float<T>(to_float(g[off]) * gelu_grad(to_float(x[off])));
+        dx[off] = o;
+        return o;
+    }
+};
+
 template <typename T, bool kVec>
 __global__ void gelu_bwd_bias_part(const T* __restrict__ g, const T* __restrict__ x, T* __restrict__ dx,
                                    float* __restrict__ partial, int rows, int C, int rows_per_part) {
-    using namespace kiln;
-    constexpr int V = kVec ? Pack<T>::N : 1;
-    const int col = (blockIdx.x * blockDim.x + threadIdx.x) * V;
-    if (col >= C) return;
-    const int r0 = blockIdx.y * rows_per_part;
-    const int r1 = min(r0 + rows_per_part, rows);
-    float acc[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) acc[j] = 0.0f;
-#pragma unroll 4
-    for (int r = r0; r < r1; ++r) {
-        const long long off = (long long)r * C + col;
-        if constexpr (kVec) {
-            const Pack<T> a = load_pack(x + off);
-            const Pack<T> b = load_pack(g + off);
-            Pack<T> o;
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                o.v[j] = from_float<T>(to_float(b.v[j]) * gelu_grad(to_float(a.v[j])));
-                acc[j] += to_float(o.v[j]);
-            }
-            store_pack(dx + off, o);
-        } else {
-            const T o = from_float<T>(to_float(g[off]) * gelu_grad(to_float(x[off])));
-            dx[off] = o;
-            acc[0] += to_float(o);
-        }
-    }
-    float* __restrict__ out = partial + (long long)blockIdx.y * C + col;
-#pragma unroll
-    for (int j = 0; j < V; ++j) out[j] = acc[j];
+    kiln::column_sum_part_rows<T, kVec>(GeluBwdElems<T>{g, x, dx}, partial, rows, C, rows_per_part);
 }

@@ -5,7 +5,7 @@
 // `_reg` kernels are specialised on C (a multiple of 32 lanes x one 16-byte pack): one warp
 // per row holds the row in registers, so x is read once, and the backward keeps per-lane
 // dweight/dbias partial sums across the rows a block visits (no atomics: each block writes
-// one partial row, and `column_sum_finish` (common.cuh) sums the partials in a fixed order, so the
+// one partial row, and `column_sum_finish` (column_sum.cuh) sums the partials in a fixed order, so the
 // result is deterministic). `_any` kernels take any C and re-read the row from global/L2.
 //
 // `add_layer_norm_*` fuse a residual add with the LayerNorm that follows it: the forward
@@ -14,7 +14,7 @@
 // dx before it is stored (dx is then the gradient of both x and y). They share the row code
 // of the plain kernels (the kAdd template flag), and dweight/dbias go through the same
 // partial sums and `column_sum_finish`.
-#include "common.cuh"
+#include "column_sum.cuh"
 
 using namespace kiln;
 
