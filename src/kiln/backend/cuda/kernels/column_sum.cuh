@@ -55,10 +55,12 @@ struct StoredElems {
 // kCols = 8, one L2 sector) so that even GPT-2's C = 768 spreads over ~100 blocks. Its threads are
 // (column lane, part lane): kVec (the host checked C % 4 == 0 and 16-byte rows) gives kCols / 4 column
 // lanes of one float4, else kCols lanes of one float; part lane p adds parts p, p + P, ... (P part lanes,
-// loads unrolled so several are in flight). The part lanes' sums are then added in a fixed order: an xor
+// kFinishUnroll loads in flight at a time). The part lanes' sums are then added in a fixed order: an xor
 // butterfly within the warp, then the warps' sums in warp order. Deterministic; the order is not the rows'.
 // Until 2026-12-04 a block took 32 columns and 8 part lanes: 24 blocks for C = 768, each warp adding
 // parts / 8 scalar loads one after another (14.5 us a call in the bf16 GPT-2 step, 3% of it).
+constexpr int kFinishUnroll = 4;
+
 template <typename T, int kCols, bool kVec>
 __global__ void __launch_bounds__(1024) column_sum_finish(const float* __restrict__ partial, int parts, int C,
                                                           T* __restrict__ out0, T* __restrict__ out1) {
@@ -76,18 +78,26 @@ __global__ void __launch_bounds__(1024) column_sum_finish(const float* __restric
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0.0f;
     if (c < C) {
-#pragma unroll 4
-        for (int k = threadIdx.x / L; k < parts; k += part_lanes) {
-            const float* __restrict__ p = rows + (long long)k * C + c;
-            if constexpr (kVec) {
-                const float4 v = kiln::load_f4(p);
-                acc[0] += v.x;
-                acc[1] += v.y;
-                acc[2] += v.z;
-                acc[3] += v.w;
-            } else {
-                acc[0] += *p;
+        for (int k = threadIdx.x / L; k < parts; k += kFinishUnroll * part_lanes) {
+            float v[kFinishUnroll][V];  // every load of the batch issued before the first add
+#pragma unroll
+            for (int u = 0; u < kFinishUnroll; ++u) {
+                const int ku = k + u * part_lanes;
+                const float* __restrict__ p = rows + (long long)ku * C + c;
+                if constexpr (kVec) {
+                    const float4 f = ku < parts ? kiln::load_f4(p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    v[u][0] = f.x;
+                    v[u][1] = f.y;
+                    v[u][2] = f.z;
+                    v[u][3] = f.w;
+                } else {
+                    v[u][0] = ku < parts ? *p : 0.0f;
+                }
             }
+#pragma unroll
+            for (int u = 0; u < kFinishUnroll; ++u)
+#pragma unroll
+                for (int j = 0; j < V; ++j) acc[j] += v[u][j];
         }
     }
 #pragma unroll
