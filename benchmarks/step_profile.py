@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "src"))
 # (column_sum: the bias and LayerNorm-parameter gradients' part and finish kernels, kernels/column_sum.cuh)
 KERNEL_FAMILIES = [(r"nvjet|gemm|xmma|cutlass|cublasLt|splitK", "matmul"), (r"attention", "attention"),
                    (r"column_sum", "column_sum"), (r"layer_norm", "layer_norm"), (r"gelu", "gelu"),
-                   (r"cross_entropy", "cross_entropy"), (r"embedding", "embedding"), (r"adamw|sumsq|scale_multi", "adamw"),
-                   (r"softmax", "softmax"), (r"dropout|philox", "dropout"),
+                   (r"cross_entropy", "cross_entropy"), (r"embedding", "embedding"),
+                   (r"adamw|sumsq|scale_multi", "adamw"), (r"softmax", "softmax"), (r"dropout|philox", "dropout"),
                    (r"^void (add|cast)<", "elementwise")]
 
 
