@@ -7,7 +7,7 @@ import pytest
 
 import kiln
 from kiln.checkpoint import load
-from kiln.errors import ConfigError, NotBuiltError
+from kiln.errors import ConfigError
 from kiln.nn import GPT, GPTConfig
 from tests.mpi_runner import run_ranks
 
@@ -34,6 +34,22 @@ def test_mesh_training_equals_one_process_and_its_checkpoint_loads_anywhere(dp, 
     x, y = batches[-1]  # the rank script's evaluation batch
     loss = model(kiln.tensor(x), kiln.tensor(y))[1].item()
     assert abs(loss - float(saved["eval_loss"])) <= 1e-10
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dp, tp, cp", [(2, 2, 1), (2, 1, 2)])
+def test_zero_and_fsdp_on_a_mesh_equal_one_process_and_ddp_on_the_mesh(dp, tp, cp, tmp_path):
+    """ZeRO-1/2 and FSDP shard each tp rank's (or cp rank's) parameters over the dp x cp ranks: 5 AdamW
+    steps with the clip are the single process's (parameters, moments, losses, norms) and DDP's on the
+    same mesh; their dense state continues in another strategy as one process does."""
+    results, _, _ = run_ranks("mesh_sharded_equal.py", dp * tp * cp, tmp_path, dp, tp, cp, timeout=120)
+    for r, res in enumerate(results):
+        assert res["moved"] > 1e-3 and res["ref_norms"][0] > 0.5  # the weights moved, the clip acted
+        for strategy, out in res["strategies"].items():
+            assert out["sharded"] == (strategy != "ddp") and out["grad_group"] == dp * cp, (r, strategy, out)
+            assert out["step_count"] == 5
+            for key in ("param_diff", "moment_diff", "loss_diff", "norm_diff", "ddp_diff", "resumed_diff"):
+                assert out[key] <= 1e-10, (r, strategy, key, out)
 
 
 def _single_process_run(tmp_path, dropout: float = 0.0):
@@ -110,6 +126,26 @@ def test_trainer_tp2_dp2_checkpoint_resumes_as_cp2_through_the_cli(tmp_path):
     _assert_same_run(out / "run", rows_one, weights_one, 1e-10)
 
 
+@pytest.mark.dist
+def test_trainer_fsdp_dp2_tp2_resumes_in_one_process(tmp_path):
+    """`Trainer(parallel="fsdp", tp=2)` on 4 ranks (FSDP over the 2 replicas of each tp shard, with
+    accumulation) saves the dense model and AdamW state; one process resumes it, and the whole run is
+    the single process's."""
+    from kiln.train import Trainer
+    out = tmp_path / "mp"
+    results, _, _ = run_ranks("train_model_parallel.py", 4, tmp_path, out, 2, 1, "fsdp", 2, 2, 0.0, "p2p", 1,
+                              timeout=180)
+    assert [(r["replicas"], r["grad_accum"], r["data_parallel"]) for r in results] == \
+        [(2, 2, "FullyShardedDataParallel")] * 4
+    saved = load(out / "run" / "checkpoints" / "ckpt-00000002.kiln")
+    assert saved["model"]["h.0.attn.c_attn.weight"].shape == (96, 32)  # dense, not a shard
+    trainer = Trainer.from_checkpoint(out / "run", max_steps=4, tp=1, parallel="none", batch_size=4)
+    assert trainer.step == 2 and trainer.mesh is None and trainer.world_size == 1
+    trainer.fit()
+    single, rows_one, weights_one = _single_process_run(tmp_path)
+    _assert_same_run(out / "run", rows_one, weights_one, 1e-10)
+
+
 def test_impossible_tp_cp_layouts_are_config_errors_naming_the_values():
     from kiln.train import TrainConfig
     from kiln.train.config import mesh_sizes
@@ -127,8 +163,6 @@ def test_impossible_tp_cp_layouts_are_config_errors_naming_the_values():
         mesh_sizes(TrainConfig(cp=4), model, 36, 4)
     with pytest.raises(ConfigError, match="all_to_all splits each tp rank's 2 heads over cp 4 ranks"):
         mesh_sizes(TrainConfig(tp=2, cp=4, cp_transport="all_to_all"), model, 32, 8)
-    with pytest.raises(NotBuiltError, match="parallel='fsdp' with tp=2, cp=1: ZeRO and FSDP do not shard"):
-        TrainConfig(tp=2, parallel="fsdp").validate()
     with pytest.raises(ConfigError, match="unknown cp_transport 'ring'; allowed: p2p, all_gather, all_to_all"):
         TrainConfig(cp=2, cp_transport="ring").validate()
     with pytest.raises(ConfigError, match="tp_chunks must be a positive integer, got 0"):

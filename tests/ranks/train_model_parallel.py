@@ -19,4 +19,5 @@ trainer = Trainer(TrainConfig(model_overrides={"n_layer": 2, "n_embd": 32, "n_he
 summary = trainer.fit()
 write_result(trainer.rank, {"summary": {k: v for k, v in summary.items() if k != "sample"},
                             "coordinate": trainer.mesh.coordinate, "grad_accum": trainer.grad_accum,
-                            "replicas": trainer.replicas, "step": trainer.step})
+                            "replicas": trainer.replicas, "step": trainer.step,
+                            "data_parallel": type(trainer.ddp).__name__})

@@ -12,6 +12,7 @@ every rank's sum of squares, all-reduced (ZeRO, Rajbhandari et al. 2020; paper Â
 from __future__ import annotations
 
 from kiln.autograd import no_grad
+from kiln.backend import array_module
 from kiln.errors import ConfigError, KilnError
 from kiln.graph import capturing
 from kiln.tensor import Tensor
@@ -64,27 +65,49 @@ class ShardedAdamW:
         for p in self.params:
             p.grad = None
 
+    def gradient_pieces(self) -> list:
+        """[(parameter, its averaged gradient's piece in this rank's shards)] (1-d array views)."""
+        return [(p, s.grad[a:b]) for s in self.shards if s.grad is not None for p, a, b, _ in s.segments]
+
     @no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm=None) -> Tensor:
         """The global L2 norm of the averaged gradients, all shards together (a 0-d tensor); the
-        next step() clips by it as AdamW.clip_grad_norm_ does. Collective over the group."""
+        next step() clips by it as AdamW.clip_grad_norm_ does. Collective over the group. norm: that
+        norm as a 0-d device array when it is computed elsewhere (a tensor-parallel model's spans
+        more ranks than the group: ModelParallel.grad_norm), no collective then."""
         if max_norm <= 0:
             raise ConfigError(f"clip_grad_norm_ needs max_norm > 0, got {max_norm}")
-        shards = [s for s in self.shards if s.grad is not None]
-        if not shards:
+        pieces = [g for _, g in self.gradient_pieces()]
+        if not pieces:
             raise KilnError("clip_grad_norm_ found no gradients; call backward() first")
-        backend, device = shards[0].bucket.params[0].backend, shards[0].bucket.params[0].device
-        xp = backend.xp
-        total = xp.zeros((1,), dtype="float64")
-        for s in shards:
-            for _, a, b, _ in s.segments:
-                g = s.grad[a:b].astype("float64")
-                total += (g * g).sum()  # not dot: CuPy's cuBLAS refuses to be captured in a graph
-        self.group.all_reduce(Tensor._wrap(total, device), "sum")
-        wide = all(s.grad.dtype == xp.float64 for s in shards)
-        norm = xp.sqrt(total[0]).astype("float64" if wide else "float32")
+        device = self.shards[0].bucket.params[0].device
+        if norm is None:
+            total = square_sum(pieces)
+            self.group.all_reduce(Tensor._wrap(total, device), "sum")
+            norm = norm_of(total, pieces)
         self._clip = (norm, float(max_norm))
         return Tensor._wrap(norm, device)
+
+    def full_state_dict(self) -> dict:
+        """kiln.optim.AdamW.state_dict() of the whole parameters, as one process's optimizer holds it:
+        every shard's moments all-gathered over the group (collective), in the optimizer's parameter
+        order; the moments None before the first step."""
+        state = self.optimizer.state_dict()  # the step count and the groups; its own moments are never made
+        if all(s.exp_avg is None for s in self.shards):
+            return state
+        world = self.group.size
+        for kind in ("exp_avg", "exp_avg_sq"):
+            full = {}
+            for s in self.shards:
+                first = s.bucket.params[0]
+                mine = getattr(s, kind)
+                mine = first.backend.xp.zeros_like(s.param) if mine is None else mine
+                layout = first.backend.zeros((s.size * world,), first.dtype.np)
+                self.group.all_gather(Tensor._wrap(layout, first.device), Tensor._wrap(mine, first.device))
+                for p, offset in zip(s.bucket.params, s.bucket.offsets):
+                    full[id(p)] = layout[offset:offset + p.numel()].reshape(p.shape)
+            state[kind] = [full[id(p)] for p in self.params]
+        return state
 
     @no_grad()
     def step(self) -> None:
@@ -123,3 +146,20 @@ class ShardedAdamW:
             p._version[0] += 1
         if self.after_step is not None:
             self.after_step()
+
+
+def square_sum(arrays):
+    """The sum of the squares of arrays' elements, in float64 (whatever their dtype), as a [1] array
+    (for an all-reduce): the same bits however the gradients are split into pieces."""
+    xp = array_module(arrays[0])
+    total = xp.zeros((1,), dtype="float64")
+    for a in arrays:
+        wide = a.astype("float64")
+        total += (wide * wide).sum()  # not dot: CuPy's cuBLAS refuses to be captured in a graph
+    return total
+
+
+def norm_of(total, arrays):
+    """The L2 norm from square_sum's total, a 0-d array: float64 for float64 gradients, else float32."""
+    xp = array_module(total)
+    return xp.sqrt(total[0]).astype("float64" if all(a.dtype == xp.float64 for a in arrays) else "float32")

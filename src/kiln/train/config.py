@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import kiln
 from kiln.backend import cuda_is_available, device as parse_device
-from kiln.errors import ConfigError, NotBuiltError
+from kiln.errors import ConfigError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 PARALLEL = ("none", "ddp", "zero1", "zero2", "fsdp")
@@ -114,9 +114,6 @@ class TrainConfig:
         from kiln.distributed.context_parallel import TRANSPORTS
         if self.cp_transport not in TRANSPORTS:
             raise ConfigError(f"unknown cp_transport {self.cp_transport!r}; allowed: {', '.join(TRANSPORTS)}")
-        if self.parallel in SHARDED and self.tp * self.cp > 1:
-            raise NotBuiltError(f"parallel={self.parallel!r} with tp={self.tp}, cp={self.cp}: ZeRO and FSDP do not "
-                                "shard tensor- or context-parallel models yet; use parallel ddp (or none) with tp/cp")
 
 
 def resolve_device(name: str):

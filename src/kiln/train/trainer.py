@@ -138,19 +138,30 @@ class Trainer:
         apply_precision(self.model, config.precision, self.device)
         self.model_parallel = None  # tp x cp > 1: the model's shards on this rank (§4.2, §4.3)
         self.dense_model = self.model  # what rank 0 writes and samples from (tp/cp: gathered at the end)
+
+        def adamw(model):
+            return AdamW(gpt_param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
+                         eps=config.eps)
+
+        self.ddp = None  # the data-parallel wrapper: DDP, ZeRO-1/2 or FSDP (tp/cp: over the dp x cp ranks)
+        self.sharded = config.parallel in SHARDED  # the optimizer state (and more) in shards, one per rank
         if self.mesh is not None:  # every rank built the same dense model (same seed) and cuts its shards
             from kiln.distributed import ModelParallel
             self.model_parallel = ModelParallel(self.model, self.mesh, chunks=config.tp_chunks,
-                                                transport=config.cp_transport, bucket_cap_mb=config.bucket_mb)
+                                                transport=config.cp_transport, bucket_cap_mb=config.bucket_mb,
+                                                parallel="ddp" if config.parallel == "none" else config.parallel,
+                                                optimizer=adamw)
             self.dense_model = None
-        self.optimizer = AdamW(gpt_param_groups(self.model, config.weight_decay), lr=config.lr,
-                               betas=config.betas, eps=config.eps)
-        self.adamw = self.optimizer  # ZeRO/FSDP: self.optimizer becomes its sharded form
-        self.ddp = None  # the data-parallel wrapper: DDP, ZeRO-1/2 or FSDP, or tp/cp's DDP over dp x cp
-        self.sharded = config.parallel in SHARDED
-        if self.model_parallel is not None:
-            self.ddp = self.model_parallel.ddp
-        elif self.group is not None:  # rank 0's weights everywhere, gradients averaged in buckets
+            self.adamw, self.optimizer, self.ddp = (self.model_parallel.adamw, self.model_parallel.optimizer,
+                                                    self.model_parallel.data_parallel)
+            self.sharded = self.model_parallel.sharded
+        else:
+            self.optimizer = adamw(self.model)
+            self.adamw = self.optimizer  # ZeRO/FSDP: self.optimizer becomes its sharded form
+        # ZeRO/FSDP checkpoints are a file per rank; a tp/cp run's hold the dense model (gathered), in one file
+        self.shard_files = self.sharded and self.model_parallel is None
+        if self.model_parallel is None and self.group is not None:
+            # rank 0's weights everywhere, gradients averaged in buckets
             from kiln.distributed import (
                 DistributedDataParallel,
                 FullyShardedDataParallel,
@@ -281,7 +292,7 @@ class Trainer:
             self._faults.poison_gradients(self.step + 1, self.model.parameters())
         # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
         norm = None
-        if c.grad_clip > 0 and self.model_parallel is not None:  # the dense model's norm: tp shards' squares summed
+        if c.grad_clip > 0 and self.model_parallel is not None:  # the dense model's norm, summed over the mesh
             norm = self.optimizer.clip_grad_norm_(c.grad_clip, self.model_parallel.grad_norm())
         elif c.grad_clip > 0:
             norm = self.optimizer.clip_grad_norm_(c.grad_clip)
@@ -336,7 +347,7 @@ class Trainer:
             write_config(self.run_dir, self.model_config, jsonable(dataclasses.asdict(c)),
                          data=str(self.data_dir), device=str(self.device))
         run = self.run_dir
-        if self.sharded:  # every rank writes its checkpoint shard into rank 0's run folder
+        if self.shard_files:  # every rank writes its checkpoint shard into rank 0's run folder
             self.group.engine.exchange(str(run))
         entropy = unigram_entropy(self.train_loader.paths, self.vocab_size)
         tokens_per_step = c.batch_size * self.seq_len * self.grad_accum * self.replicas
@@ -445,7 +456,7 @@ class Trainer:
         # ZeRO/FSDP and tp/cp checkpoints are collective: this rank writes its shard, or gathers the
         # dense state for rank 0, at rank 0's steps
         collective, saved = self.sharded or self.model_parallel is not None, self.step
-        if self.sharded:
+        if self.shard_files:
             from kiln.checkpoint import CheckpointFolder
             run = Path(self.group.engine.exchange(None)[0])
             checkpoints = CheckpointFolder(run / "checkpoints", c.keep_checkpoints)
@@ -498,7 +509,7 @@ class Trainer:
         if self._faults is not None and checkpoints is not None:  # a sharded checkpoint's fault damages
             # this rank's own shard file (a tp/cp rank other than 0 writes no file)
             path = checkpoints.path_for(step)
-            self._faults.after_checkpoint(step, shard_path(path, self.rank, self.world_size) if self.sharded
+            self._faults.after_checkpoint(step, shard_path(path, self.rank, self.world_size) if self.shard_files
                                           else path, saver)
         return step
 
@@ -628,12 +639,12 @@ class Trainer:
         from kiln.random import default_generator
         names = {id(p): n for n, p in self.model.named_parameters()}
         model = optimizer = None  # ZeRO/FSDP: parameters and moments go to each rank's shard file
-        if not self.sharded:
+        if self.model_parallel is not None:  # the dense model's state (collective): loads into any layout
+            model, optimizer = self.model_parallel.dense_state()
+        elif not self.sharded:
             model = {n: p.data for n, p in self.model.named_parameters()}
             optimizer = self.optimizer.state_dict()
             optimizer["params"] = [names[id(p)] for p in self.optimizer.params]
-        if self.model_parallel is not None:  # the dense model's state (collective over tp): loads into any layout
-            model, optimizer = self._convert_layout(self.model_parallel.gather_dense, model, optimizer)
         devices = sorted({"cpu", str(self.device)})
         return {"kind": "kiln.Trainer", "kiln": kiln.__version__, "step": self.step,
                 "epoch": self.train_loader.state_dict()["epoch"], "last_loss": self.last_loss,
@@ -676,15 +687,14 @@ class Trainer:
             if state["model"] is None:
                 from kiln.distributed.checkpoint import load_sharded
                 load_sharded(shards, self.model, self.adamw, self.ddp, self.group)
+            elif self.model_parallel is not None:  # this rank's shards of the dense state
+                self.model_parallel.load_dense_state(state["model"], state["optimizer"])
             elif self.sharded:  # a one-process or DDP run's single file, each rank keeping its shards
                 from kiln.distributed.checkpoint import load_replicated
                 load_replicated(state["model"], state["optimizer"], self.model, self.adamw, self.ddp, self.group)
             else:
-                model, optimizer = state["model"], state["optimizer"]
-                if self.model_parallel is not None:  # this rank's shards of the dense state
-                    model, optimizer = self._convert_layout(self.model_parallel.cut_dense, model, optimizer)
-                self.model.load_state_dict(model)
-                self.optimizer.load_state_dict(optimizer)
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
             self.train_loader.load_state_dict(state["loaders"]["train"])
             self.val_loader.load_state_dict(state["loaders"]["val"])
         except CheckpointError:
@@ -701,17 +711,6 @@ class Trainer:
         if self.device not in restored:  # from another device type: its RNG cannot carry over
             default_generator(self.device).manual_seed(self.config.seed + self.step)
         self.sample_rng.bit_generator.state = state["rng"]["sample"]
-
-    @staticmethod
-    def _convert_layout(convert, model: dict, optimizer: dict):
-        """(model, optimizer) state with convert ({name: array} -> {name: array}: a tp layout's to
-        the dense model's or back) applied to the parameters and to AdamW's moments alike."""
-        optimizer = dict(optimizer)
-        for kind in ("exp_avg", "exp_avg_sq"):
-            if optimizer[kind] is not None:
-                converted = convert(dict(zip(optimizer["params"], optimizer[kind])))
-                optimizer[kind] = [converted[n] for n in optimizer["params"]]
-        return convert(model), optimizer
 
     @classmethod
     def from_checkpoint(cls, run_dir, report=None, **overrides) -> Trainer:
@@ -744,7 +743,7 @@ class Trainer:
         from kiln.checkpoint import save
         from kiln.checkpoint.async_save import to_host
         t0 = time.perf_counter()
-        if self.sharded:  # collective: each rank writes its own shard, rank 0 the manifest
+        if self.shard_files:  # collective: each rank writes its own shard, rank 0 the manifest
             from kiln.distributed.checkpoint import save_sharded
             result = save_sharded(checkpoints.path_for(self.step), self.model, self.adamw, self.ddp, self.group,
                                   state=to_host(self.state_dict()))
@@ -769,7 +768,7 @@ class Trainer:
         checkpoints = CheckpointFolder(run / "checkpoints", self.config.keep_checkpoints)
         checkpoints.prepare()
         # ZeRO/FSDP checkpoints are written by every rank together, synchronously
-        async_save = self.config.async_checkpoint and not self.sharded
+        async_save = self.config.async_checkpoint and not self.shard_files
         return checkpoints, AsyncSaver() if async_save else None, self.step
 
     @contextlib.contextmanager
