@@ -283,13 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "replayed as one captured CUDA graph)")
     t.add_argument("--parallel", help="none (default), ddp, zero1, zero2 or fsdp: data parallel over the ranks "
                    "of `mpiexec -n N`, torchrun, SLURM or kiln launch (CPU: MPI, GPUs: NCCL); zero1/zero2 shard the "
-                   "optimizer state (and gradients), fsdp the parameters too; a zero/fsdp run's checkpoints "
-                   "are one file per rank and resume on any number of ranks")
+                   "optimizer state (and gradients), fsdp the parameters too (with --tp/--cp: over the ranks holding the same "
+                   "shards); a zero/fsdp run's checkpoints are one file per rank and resume on any number of ranks "
+                   "(with --tp/--cp: the dense model, in one file)")
     t.add_argument("--global-batch", type=int,
                    help="tokens per optimizer step; sets grad_accum = global / (batch x seq_len x ranks)")
     t.add_argument("--bucket-mb", type=float, help="ddp: gradient bucket size in MB (default 25)")
     t.add_argument("--tp", type=int, help="tensor parallelism: each model replica's heads, MLP and vocabulary split "
-                   "over N ranks (default 1); the ranks left over train data parallel with --parallel ddp")
+                   "over N ranks (default 1); the ranks left over train data parallel with --parallel ddp, zero1, zero2 "
+                   "or fsdp")
     t.add_argument("--cp", type=int, help="context parallelism: each sequence split over N ranks, zigzag-balanced "
                    "(default 1); seq_len must be a multiple of 2N")
     t.add_argument("--cp-transport", help="how keys and values reach the other cp ranks: p2p (ring attention, "

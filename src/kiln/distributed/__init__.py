@@ -7,6 +7,7 @@ context parallelism.
     zero = dist.ZeroDataParallel(model, AdamW(...), stage=2)      # or stage=1: ZeRO's shards
     fsdp = dist.FullyShardedDataParallel(model, AdamW(...))       # ZeRO-3: parameters sharded too
     run = dist.ModelParallel(GPT(cfg), dist.DeviceMesh({"dp": -1, "cp": 2, "tp": 2}))  # §4.2, §4.3
+    run = dist.ModelParallel(GPT(cfg), mesh, parallel="fsdp", optimizer=lambda m: AdamW(...))  # and ZeRO/FSDP
 
 Engines, not hand-written collectives (DESIGN.md, Distributed): NCCL through the backend's
 `cupy.cuda.nccl` wrapper, MPI through mpi4py. See process_group.py for the collectives' meaning.

@@ -159,7 +159,7 @@ def mesh_sizes(config: TrainConfig, model_config, seq_len: int, world_size: int)
     dp = world_size // (tp * cp)
     if dp > 1 and config.parallel == "none":
         raise ConfigError(f"{world_size} ranks with tp {tp} x cp {cp} hold {dp} model replicas: train them data "
-                          "parallel with --parallel ddp, or start tp x cp ranks")
+                          "parallel with --parallel ddp (or zero1, zero2, fsdp), or start tp x cp ranks")
     heads, vocab = model_config.n_head, model_config.vocab_size
     if heads % tp or vocab % tp:
         raise ConfigError(f"tp {tp} splits the model's {heads} heads and {vocab} vocabulary rows over {tp} ranks: "
