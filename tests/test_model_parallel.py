@@ -146,6 +146,29 @@ def test_trainer_fsdp_dp2_tp2_resumes_in_one_process(tmp_path):
     _assert_same_run(out / "run", rows_one, weights_one, 1e-10)
 
 
+@pytest.mark.dist
+def test_an_fsdp_run_without_tp_resumes_as_zero2_on_dp2_x_tp2_through_the_cli(tmp_path):
+    """A plain FSDP run on 2 ranks saves sharded checkpoints (a file per rank); `kiln train --resume RUN
+    --tp 2 --parallel zero2` continues it on 4 ranks (each tp rank reads the whole state from the shard
+    files, cuts its tp shards and keeps its ZeRO pieces of them), and the whole run is the single process's."""
+    import subprocess
+    import sys
+
+    from tests.mpi_runner import mpiexec
+    out = tmp_path / "mp"
+    run_ranks("train_sharded.py", 2, tmp_path / "a", out, "fsdp", 2, 2, 0, timeout=120)
+    assert len(list((out / "run" / "checkpoints").glob("ckpt-00000002.shard-*.kiln"))) == 2
+    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "kiln.cli", "train", "--resume", str(out / "run"), "--tp", "2",
+           "--parallel", "zero2", "--steps", "4", "--batch-size", "2", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resuming" in proc.stdout and "(dp 2 x tp 2 x cp 1, zero2)" in proc.stdout
+    assert (out / "run" / "checkpoints" / "ckpt-00000004.kiln").is_file()  # the dense model, one file
+    assert not list((out / "run" / "checkpoints").glob("ckpt-00000004.shard-*"))
+    single, rows_one, weights_one = _single_process_run(tmp_path)
+    _assert_same_run(out / "run", rows_one, weights_one, 1e-10)
+
+
 def test_impossible_tp_cp_layouts_are_config_errors_naming_the_values():
     from kiln.train import TrainConfig
     from kiln.train.config import mesh_sizes

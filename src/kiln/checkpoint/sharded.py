@@ -39,20 +39,28 @@ def verify_shards(path, manifest: dict) -> None:
 def read_full(path) -> dict:
     """Every parameter's full value (NumPy, by name) from a sharded checkpoint's manifest and all
     its shards, in one process and with no process group: what `kiln export` and sampling read."""
+    return read_full_state(path, ("param",))["param"]
+
+
+def read_full_state(path, kinds) -> dict:
+    """{kind: {name: full array}} of kinds ("param", "exp_avg", "exp_avg_sq": the values and AdamW's
+    moments) from a sharded checkpoint's manifest and all its shards, as read_full."""
     path = Path(path)
     manifest = load(path)
     if "sharded" not in manifest:
         raise CheckpointError(f"{path} is not a sharded checkpoint manifest")
-    info, out, filled = manifest["sharded"], {}, {}
+    info, filled = manifest["sharded"], {}
+    out = {kind: {} for kind in kinds}
     for entry in info["files"]:
         tensors = load_shard(path, entry)
         for n, (a, b) in entry["ranges"].items():
-            piece = tensors[f"param/{n}"]
-            if n not in out:
-                out[n] = np.empty(int(np.prod(info["shapes"][n])), dtype=piece.dtype)
-            out[n][a:b] = piece
+            for kind in kinds:
+                piece = tensors[f"{kind}/{n}"]
+                if n not in out[kind]:
+                    out[kind][n] = np.empty(int(np.prod(info["shapes"][n])), dtype=piece.dtype)
+                out[kind][n][a:b] = piece
             filled[n] = filled.get(n, 0) + b - a
     short = [n for n, shape in info["shapes"].items() if filled.get(n, 0) != int(np.prod(shape))]
     if short:
         raise CheckpointError(f"the shards of {path} do not cover parameters {short[:5]}")
-    return {n: out[n].reshape(info["shapes"][n]) for n in info["shapes"]}
+    return {kind: {n: out[kind][n].reshape(info["shapes"][n]) for n in info["shapes"]} for kind in kinds}

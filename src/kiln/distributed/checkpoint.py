@@ -22,7 +22,7 @@ import numpy as np
 
 from kiln.autograd import no_grad
 from kiln.checkpoint.format import CheckpointError, load, save
-from kiln.checkpoint.sharded import load_shard, shard_path
+from kiln.checkpoint.sharded import load_shard, read_full_state, shard_path
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -139,6 +139,25 @@ def load_replicated(params: dict, optimizer_state: dict, model, optimizer, wrapp
     shapes = {n: list(np.shape(a)) for n, a in params.items()}
     _fill("the single-file checkpoint", _Layout(model, optimizer, wrapper, group), optimizer_state, moments,
           shapes, [whole], lambda entry: tensors)
+
+
+def read_replicated(path, optimizer, names: dict) -> tuple[dict, dict]:
+    """A sharded checkpoint (its manifest at path) as a single-file one holds it: (every parameter's
+    full value by name, kiln.optim.AdamW's state_dict with the names under "params", in optimizer's
+    parameter order; names: {id(parameter): name}). Every rank reads every shard: for a layout whose
+    pieces are not element ranges of the flattened parameters (a tensor-parallel one)."""
+    manifest = load(path)
+    info, opt = manifest["sharded"], manifest["optimizer"]
+    if len(opt["groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"{path} has {len(opt['groups'])} optimizer param groups, this optimizer "
+                              f"{len(optimizer.param_groups)}")
+    full = read_full_state(path, KINDS if info["moments"] else ("param",))
+    order = [names[id(p)] for p in optimizer.params]
+    state = {"step": opt["step"], "betas": opt["betas"], "eps": opt["eps"], "params": order,
+             "groups": [{**g, "size": len(mine["params"])} for g, mine in zip(opt["groups"], optimizer.param_groups)]}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        state[kind] = [full[kind][n] for n in order] if info["moments"] else None
+    return full["param"], state
 
 
 def _fill(source: str, layout, opt: dict, moments: bool, shapes: dict, files: list, read) -> None:

@@ -684,7 +684,10 @@ class Trainer:
             self._graph_step.release()
             self._graph_step = None
         try:
-            if state["model"] is None:
+            if state["model"] is None and self.model_parallel is not None:  # a zero/fsdp run's shards, read whole
+                from kiln.distributed.checkpoint import read_replicated
+                self.model_parallel.load_dense_state(*read_replicated(shards, self.adamw, order))
+            elif state["model"] is None:
                 from kiln.distributed.checkpoint import load_sharded
                 load_sharded(shards, self.model, self.adamw, self.ddp, self.group)
             elif self.model_parallel is not None:  # this rank's shards of the dense state
