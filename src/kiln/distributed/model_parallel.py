@@ -23,6 +23,7 @@ replicas draw theirs as DDP ranks do, each as one process would for its rows.
 
 from __future__ import annotations
 
+from kiln.backend import array_backend
 from kiln.distributed.context_parallel import (
     TRANSPORTS,
     parallelize_context,
@@ -31,7 +32,6 @@ from kiln.distributed.context_parallel import (
 )
 from kiln.distributed.ddp import DistributedDataParallel
 from kiln.distributed.fsdp import FullyShardedDataParallel
-from kiln.distributed.shards import norm_of, square_sum
 from kiln.distributed.tensor_parallel import (
     cut_shards,
     gather_shards,
@@ -119,12 +119,12 @@ class ModelParallel:
             self.data_parallel.wait_gradients()
 
     def grad_norm(self):
-        """The dense model's global L2 gradient norm, a 0-d device array (no host sync), exactly one
-        process's: each rank sums the squares of the gradients it holds (ZeRO/FSDP: its pieces of
-        the averaged shards), those of the tp-replicated parameters on tp rank 0 alone (every tp rank
-        holds the same), and the sums are added over the ranks that hold distinct pieces (tp, and the
-        dp x cp ranks when sharded). Call after wait_gradients(); AdamW.clip_grad_norm_(max_norm,
-        norm) (or the sharded one's) fuses the clip into its step."""
+        """The dense model's global L2 gradient norm, a 0-d device array (no host sync), one process's:
+        each rank takes the norm of the gradients it holds (ZeRO/FSDP: its pieces of the averaged
+        shards; the tp-replicated parameters' on tp rank 0 alone, every tp rank holding the same), and
+        the squares are summed over the ranks that hold distinct pieces (tp, and the dp x cp ranks when
+        sharded). Call after wait_gradients(); AdamW.clip_grad_norm_(max_norm, norm) (or the sharded
+        optimizer's) fuses the clip into its step."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         if self.sharded:
             pieces = [(names[id(p)], g) for p, g in self.optimizer.gradient_pieces()]
@@ -132,13 +132,18 @@ class ModelParallel:
             pieces = [(n, p.grad.data) for n, p in self.model.named_parameters() if p.grad is not None]
         if not pieces:
             raise KilnError("grad_norm found no gradients; call backward() first")
+        backend = array_backend(pieces[0][1])
+        over = self.mesh.group if self.sharded else self.tp
+        if over is None:  # every rank holds every gradient
+            return backend.grad_norm([g for _, g in pieces])
         layout = shard_layout(self.model) if self.tp is not None else {}
         mine = [g for n, g in pieces if n in layout or self.coordinate["tp"] == 0]
-        total = square_sum(mine or [pieces[0][1][:0]])  # (an empty piece: this rank adds 0)
-        over = self.mesh.group if self.sharded else self.tp
-        if over is not None:
-            over.all_reduce(Tensor._wrap(total, _device_of(total)), "sum")
-        return norm_of(total, [g for _, g in pieces])
+        xp = backend.xp
+        norm = backend.grad_norm(mine).astype("float64") if mine else xp.zeros((), "float64")
+        total = xp.reshape(norm * norm, (1,))
+        over.all_reduce(Tensor._wrap(total, _device_of(total)), "sum")
+        wide = all(g.dtype == xp.float64 for _, g in pieces)  # the dtype backend.grad_norm gives
+        return xp.sqrt(total[0]).astype("float64" if wide else "float32")
 
     def dense_state_dict(self) -> dict:
         """The dense GPT's parameters (backend arrays; collective over tp, and over dp x cp under FSDP) -

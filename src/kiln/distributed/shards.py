@@ -82,9 +82,14 @@ class ShardedAdamW:
             raise KilnError("clip_grad_norm_ found no gradients; call backward() first")
         device = self.shards[0].bucket.params[0].device
         if norm is None:
-            total = square_sum(pieces)
+            xp = array_module(pieces[0])
+            total = xp.zeros((1,), dtype="float64")
+            for g in pieces:
+                g64 = g.astype("float64")
+                total += (g64 * g64).sum()  # not dot: CuPy's cuBLAS refuses to be captured in a graph
             self.group.all_reduce(Tensor._wrap(total, device), "sum")
-            norm = norm_of(total, pieces)
+            wide = all(g.dtype == xp.float64 for g in pieces)
+            norm = xp.sqrt(total[0]).astype("float64" if wide else "float32")
         self._clip = (norm, float(max_norm))
         return Tensor._wrap(norm, device)
 
@@ -147,19 +152,3 @@ class ShardedAdamW:
         if self.after_step is not None:
             self.after_step()
 
-
-def square_sum(arrays):
-    """The sum of the squares of arrays' elements, in float64 (whatever their dtype), as a [1] array
-    (for an all-reduce): the same bits however the gradients are split into pieces."""
-    xp = array_module(arrays[0])
-    total = xp.zeros((1,), dtype="float64")
-    for a in arrays:
-        wide = a.astype("float64")
-        total += (wide * wide).sum()  # not dot: CuPy's cuBLAS refuses to be captured in a graph
-    return total
-
-
-def norm_of(total, arrays):
-    """The L2 norm from square_sum's total, a 0-d array: float64 for float64 gradients, else float32."""
-    xp = array_module(total)
-    return xp.sqrt(total[0]).astype("float64" if all(a.dtype == xp.float64 for a in arrays) else "float32")
