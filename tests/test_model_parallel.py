@@ -50,6 +50,10 @@ def test_zero_and_fsdp_on_a_mesh_equal_one_process_and_ddp_on_the_mesh(dp, tp, c
             assert out["step_count"] == 5
             for key in ("param_diff", "moment_diff", "loss_diff", "norm_diff", "ddp_diff", "resumed_diff"):
                 assert out[key] <= 1e-10, (r, strategy, key, out)
+            assert out["tp_replicas_differ"] == 0.0, (r, strategy, out)  # one clip coefficient on every rank
+            ddp_bytes = res["strategies"]["ddp"]["optimizer_bytes"]
+            if strategy != "ddp":  # the moments are 1/(dp x cp) of the tp/cp-local model's, give or take padding
+                assert out["optimizer_bytes"] <= ddp_bytes / (dp * cp) + 8 * 64, (r, strategy, out, ddp_bytes)
 
 
 def _single_process_run(tmp_path, dropout: float = 0.0):
@@ -127,19 +131,20 @@ def test_trainer_tp2_dp2_checkpoint_resumes_as_cp2_through_the_cli(tmp_path):
 
 
 @pytest.mark.dist
-def test_trainer_fsdp_dp2_tp2_resumes_in_one_process(tmp_path):
-    """`Trainer(parallel="fsdp", tp=2)` on 4 ranks (FSDP over the 2 replicas of each tp shard, with
-    accumulation) saves the dense model and AdamW state; one process resumes it, and the whole run is
-    the single process's."""
+@pytest.mark.parametrize("parallel, tp, cp, wrapper", [("fsdp", 2, 1, "FullyShardedDataParallel"),
+                                                       ("zero1", 1, 2, "ZeroDataParallel")])
+def test_trainer_sharded_on_a_mesh_resumes_in_one_process(parallel, tp, cp, wrapper, tmp_path):
+    """`Trainer(parallel="fsdp", tp=2)` (FSDP over the 2 replicas of each tp shard) and `Trainer(parallel=
+    "zero1", cp=2)` (ZeRO-1 over the 2 replicas x 2 cp ranks) on 4 ranks, with accumulation, save the
+    dense model and AdamW state; one process resumes it, and the whole run is the single process's."""
     from kiln.train import Trainer
     out = tmp_path / "mp"
-    results, _, _ = run_ranks("train_model_parallel.py", 4, tmp_path, out, 2, 1, "fsdp", 2, 2, 0.0, "p2p", 1,
+    results, _, _ = run_ranks("train_model_parallel.py", 4, tmp_path, out, tp, cp, parallel, 2, 2, 0.0, "p2p", 1,
                               timeout=180)
-    assert [(r["replicas"], r["grad_accum"], r["data_parallel"]) for r in results] == \
-        [(2, 2, "FullyShardedDataParallel")] * 4
+    assert [(r["replicas"], r["grad_accum"], r["data_parallel"]) for r in results] == [(2, 2, wrapper)] * 4
     saved = load(out / "run" / "checkpoints" / "ckpt-00000002.kiln")
     assert saved["model"]["h.0.attn.c_attn.weight"].shape == (96, 32)  # dense, not a shard
-    trainer = Trainer.from_checkpoint(out / "run", max_steps=4, tp=1, parallel="none", batch_size=4)
+    trainer = Trainer.from_checkpoint(out / "run", max_steps=4, tp=1, cp=1, parallel="none", batch_size=4)
     assert trainer.step == 2 and trainer.mesh is None and trainer.world_size == 1
     trainer.fit()
     single, rows_one, weights_one = _single_process_run(tmp_path)

@@ -17,6 +17,7 @@ from rank_output import write_result
 import kiln
 import kiln.distributed as dist
 from kiln.distributed.model_parallel import ModelParallel
+from kiln.distributed.tensor_parallel import shard_layout
 from kiln.nn import GPT, GPTConfig
 from kiln.optim import AdamW, gpt_param_groups
 
@@ -81,6 +82,12 @@ for s, strategy in enumerate(STRATEGIES):
                         bucket_cap_mb=0.002)  # several buckets, parameters cut across shard boundaries
     losses, norms = zip(*(step(run, x, y) for x, y in data[:STEPS]))
     params, opt_state = run.dense_state()
+    local = run._local_parameters()  # this rank's tp/cp-local parameters (FSDP's gathered)
+    replicated = [n for n in sorted(local) if n not in shard_layout(run.model)]
+    mine = np.concatenate([np.asarray(local[n]).reshape(-1) for n in replicated])
+    every = np.empty((mesh.size("tp"),) + mine.shape)
+    mesh["tp"].all_gather(kiln.Tensor._wrap(every, run.model.wte.weight.device), kiln.tensor(mine))
+    held = run.data_parallel.memory() if run.sharded else None
     moments = {kind: dict(zip(opt_state["params"], opt_state[kind])) for kind in ("exp_avg", "exp_avg_sq")}
     ddp_params = params if strategy == "ddp" else ddp_params
     other = ModelParallel(gpt(), mesh, parallel=STRATEGIES[(s + 1) % len(STRATEGIES)], optimizer=optimizer,
@@ -94,7 +101,9 @@ for s, strategy in enumerate(STRATEGIES):
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
         "ddp_diff": biggest(params, ddp_params),
-        "resumed_diff": biggest(other.dense_state_dict(), ref_after)}
+        "resumed_diff": biggest(other.dense_state_dict(), ref_after),
+        "tp_replicas_differ": float(np.max(np.abs(every - mine))),  # tp-replicated parameters, across tp ranks
+        "optimizer_bytes": held["optimizer"] if held else sum(m.nbytes for ms in run.adamw._moments for m in ms)}
 moved = biggest(ref_params, {n: p.numpy() for n, p in gpt().named_parameters()})
 write_result(world.rank, {"strategies": result, "ref_norms": ref_norms[:STEPS], "moved": moved,
                           "coordinate": mesh.coordinate})
