@@ -130,3 +130,32 @@ def test_a_missing_shard_makes_the_previous_sharded_checkpoint_the_newest_good_o
     state, path = CheckpointFolder(folder).load_latest(report=lambda msg: None)
     assert (path.name, state["state"]["step"]) == ("ckpt-00000008.kiln", 8)
     assert newest_good_checkpoint(run, "r", 4) == (8, [])  # set aside once, not reported again
+
+
+@pytest.fixture(scope="module")
+def ddp_skipping(tmp_path_factory):
+    mpiexec()
+    run = tmp_path_factory.mktemp("ddp-skip") / "run"
+    proc = launch(run, TRAIN, "--mpi", "--nproc", 2, "--on-bad-step", "skip", fault="nan@step=6")
+    assert proc.returncode == 0, proc.stderr
+    return load_file(str(run / "model.safetensors"))
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_a_sharded_run_skips_a_bad_step_as_ddp_does(ddp_skipping, tmp_path, strategy):
+    """`--on-bad-step skip` undoes the step in place: under ZeRO/FSDP that is each rank's shards and
+    moments (the sharded optimizer's own update_state), then ZeRO's all-gather. The run ends where
+    DDP's skipping run does (ZeRO/FSDP equal DDP on MPI; the clip's norm to float32 rounding)."""
+    run = tmp_path / "run"
+    proc = launch(run, [a if a != "ddp" else strategy for a in TRAIN], "--mpi", "--nproc", 2,
+                  "--on-bad-step", "skip", fault="nan@step=6")
+    assert proc.returncode == 0, proc.stderr
+    found = incidents(run)  # each rank reports its skip
+    assert sorted(i["rank"] for i in found) == [0, 1]
+    assert all((i["class"], i["step"]) == ("bad_step_nan", 6) and i["action"].startswith("skipped in place")
+               for i in found)
+    got = load_file(str(run / "model.safetensors"))
+    assert sorted(got) == sorted(ddp_skipping)
+    for name, want in ddp_skipping.items():
+        assert np.allclose(got[name], want, rtol=0, atol=1e-6), name
+    assert processes_of(run) == []

@@ -93,6 +93,26 @@ class ShardedAdamW:
         self._clip = (norm, float(max_norm))
         return Tensor._wrap(norm, device)
 
+    def update_state(self):
+        """What step() changes on this rank (its shards' values and moments, the count), copied on
+        the device, for restore_update_state (kiln launch's skip of a bad step)."""
+        copy = lambda a: None if a is None else a.copy()  # noqa: E731
+        return [(s.param.copy(), copy(s.exp_avg), copy(s.exp_avg_sq)) for s in self.shards], self.step_count
+
+    def restore_update_state(self, saved) -> None:
+        """Put update_state()'s copy back in place, then after_step() (ZeRO: all-gather the parameters
+        from the restored shards; a collective, as every rank skips the same step)."""
+        shards, count = saved
+        for s, (param, exp_avg, exp_avg_sq) in zip(self.shards, shards):
+            s.param[...] = param
+            if exp_avg is None:
+                s.exp_avg = s.exp_avg_sq = None
+            else:
+                s.exp_avg[...], s.exp_avg_sq[...] = exp_avg, exp_avg_sq
+        self.optimizer.step_count = count
+        if self.after_step is not None:
+            self.after_step()
+
     def full_state_dict(self) -> dict:
         """kiln.optim.AdamW.state_dict() of the whole parameters, as one process's optimizer holds it:
         every shard's moments all-gathered over the group (collective), in the optimizer's parameter

@@ -5,7 +5,8 @@ first, so that the restarted gang trains clean). Kinds, each a failure of paper 
 
     kill       SIGKILL this rank at the end of step k (a process killed by the OS)
     hang       stop making progress at the end of step k (a stalled rank or collective)
-    nan        write NaN into a gradient of step k, before clipping and the update
+    nan        multiply step k's loss by NaN before backward: every gradient it reaches is NaN,
+               and in a data-parallel run every rank's after the reduction, as a real NaN spreads
     spike      multiply step k's loss by `scale` (default 1e4) before backward: loss and
                gradient norm spike together
     oom        raise a host MemoryError (where=host) or the device's OutOfMemoryError
@@ -90,13 +91,11 @@ class FaultPlan:
         return any(f.kind in ("nan", "spike") and f.step == step and not f.fired for f in self.faults)
 
     def loss_scale(self, step: int) -> float | None:
+        """What step's loss is multiplied by before backward: a spike's scale, NaN, or None."""
+        if self.due("nan", step) is not None:
+            return float("nan")
         f = self.due("spike", step)
         return float(f.options.get("scale", 1e4)) if f is not None else None
-
-    def poison_gradients(self, step: int, params) -> None:
-        if self.due("nan", step) is not None:
-            p = next(p for p in params if p.grad is not None)
-            p.grad.data.reshape(-1)[0] = float("nan")
 
     def before_step(self, step: int) -> None:
         f = self.due("oom", step)

@@ -144,6 +144,26 @@ class AdamW:
 
         before_each_replay(advance)
 
+    def update_state(self):
+        """What step() changes (the parameters, the moments, the count), copied on the device: undo a
+        step with restore_update_state (kiln launch's skip of a bad step)."""
+        moments = None if self._moments is None else tuple([m.copy() for m in ms] for ms in self._moments)
+        return [p.data.copy() for p in self.params], moments, self.step_count
+
+    def restore_update_state(self, saved) -> None:
+        """Put update_state()'s copy back in place (the same buffers: a captured graph stays valid)."""
+        params, moments, count = saved
+        for p, a in zip(self.params, params):
+            p.data[...] = a
+            p._bump()
+        if moments is None:
+            self._moments = None
+        else:
+            for live, copy in zip(self._moments, moments):
+                for m, a in zip(live, copy):
+                    m[...] = a
+        self.step_count = count
+
     def state_dict(self) -> dict:
         """Step count, hyperparameters and the moments (backend arrays), in parameter order."""
         return {"step": self.step_count, "betas": list(self.betas), "eps": self.eps,

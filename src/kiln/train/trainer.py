@@ -282,14 +282,12 @@ class Trainer:
             # DDP: accumulation micro-steps communicate nothing; the last one all-reduces (Algorithm 1)
             with self.ddp.no_sync() if self.ddp is not None and i < accum - 1 else contextlib.nullcontext():
                 loss = self._loss(x, y)
-                if scale is not None:  # an injected loss spike (kiln.launch.faults)
+                if scale is not None:  # an injected loss spike or NaN (kiln.launch.faults)
                     loss = loss * scale
                 (loss / accum).backward() if accum > 1 else loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         if self.ddp is not None:
             self.ddp.wait_gradients()
-        if self._faults is not None:
-            self._faults.poison_gradients(self.step + 1, self.model.parameters())
         # the clip is fused into the optimizer's step: one norm pass, no scaling pass, no sync
         norm = None
         if c.grad_clip > 0 and self.model_parallel is not None:  # the dense model's norm, summed over the mesh
@@ -547,26 +545,13 @@ class Trainer:
         return verdict
 
     def _update_state_copy(self):
-        """What an optimizer step changes (parameters, AdamW moments and count), copied on the device."""
-        opt = self.optimizer
-        moments = None if opt._moments is None else tuple([m.copy() for m in ms] for ms in opt._moments)
-        return [p.data.copy() for p in opt.params], moments, opt.step_count
+        """What an optimizer step changes, copied on the device (AdamW or its sharded form)."""
+        return self.optimizer.update_state()
 
     def _restore_update_state(self, saved) -> None:
         """Undo a step in place (the same buffers: a captured graph stays valid)."""
-        params, moments, count = saved
-        opt = self.optimizer
-        for p, a in zip(opt.params, params):
-            p.data[...] = a
-            p._bump()
+        self.optimizer.restore_update_state(saved)
         self._refresh_kept_copies()
-        if moments is None:
-            opt._moments = None
-        else:
-            for live, copy in zip(opt._moments, moments):
-                for m, a in zip(live, copy):
-                    m[...] = a
-        opt.step_count = count
 
     @contextlib.contextmanager
     def _reporting_failures(self):
