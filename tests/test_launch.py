@@ -252,6 +252,8 @@ def test_fault_specs_parse_and_fire_once_on_their_rank_and_attempt():
     # only a NaN or spike changes its step's computation: that step alone runs outside the CUDA graph
     plan = FaultPlan(parse("kill@step=2;nan@step=4;spike@step=6"), rank=0, attempt=0)
     assert [s for s in range(1, 8) if plan.acts_inside_step(s)] == [4, 6]
+    nan = plan.loss_scale(4)
+    assert nan != nan  # NaN times the loss: it spreads through backward and the reductions
     plan.loss_scale(6)
     assert not plan.acts_inside_step(6)  # fired: the step is over
     for bad in ("explode@step=1", "kill@rank=1", "kill@step=x", "kill@step"):
