@@ -78,7 +78,7 @@ def test_allocation_timeline_accounts_for_every_allocation():
     allocator's peak, its counts the allocator's, and every byte is charged to the op that asked."""
     from kiln.backend.cuda.allocator import CachingAllocator
     from kiln.profiler.timeline import AllocationTimeline
-    addresses = iter(range(1 << 20, 1 << 40, 1 << 20))
+    addresses = iter(range(1 << 24, 1 << 50, 1 << 24))  # apart by more than a block
     alloc = CachingAllocator(driver_malloc=lambda size, dev: next(addresses), driver_free=lambda p, dev: None)
     rng = np.random.default_rng()
     held = [alloc.malloc(int(s)) for s in rng.integers(1, 1 << 16, 5)]  # live before profiling

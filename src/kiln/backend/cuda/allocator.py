@@ -1,40 +1,55 @@
-"""kiln's caching block-pool allocator for CuPy, with a rounding learned from the first steps.
+"""kiln's caching allocator for CuPy: exact-size small blocks, best-fit split large ones, a rounding learned from the first steps.
 
-After the paper's "Custom Caching Allocator": no fixed size classes. During a warm-up window
-(the first step, or however long the caller lets it run) every request size is recorded as
-an alloc/free trace. `end_warmup()` replays the trace under candidate roundings (one
-granularity for small requests, one for large ones) and keeps the one that would have held
-the fewest bytes from the driver, i.e. minimises wasted bytes: coarse rounding wastes bytes
-inside blocks, fine rounding wastes whole cached blocks that no later request fits. It then
-returns what step 0 alone needed to the driver ("targeted cache flush following the 0th
-step"). A block is reused only by a request of the same rounded size, so a static training
-step finds its blocks again every step and the pool stops growing.
+After the paper's "Custom Caching Allocator": no fixed size classes. A request is rounded up (to
+`small` bytes below LARGE_THRESHOLD, to `large` bytes from it on) and served from two bands:
 
-Every block is one cudaMalloc (256-byte aligned), cached on free and reused at once: safe
-because all of kiln's work is ordered on its one stream (device.stream()). Memory handed to
-another stream (NCCL, a copy stream) must be ordered with events by its user.
+- Small blocks (below 1 MiB) are one cudaMalloc each, cached on free and reused only by a request
+  of the same rounded size. During a warm-up window (the first step, or however long the caller
+  lets it run) every request is recorded as an alloc/free trace; `end_warmup()` replays its small
+  requests under candidate granularities and keeps the one that would have held the fewest bytes
+  from the driver (coarse rounding wastes bytes inside blocks, fine rounding wastes whole cached
+  blocks no later request fits), then returns what step 0 alone needed to the driver ("targeted
+  cache flush following the 0th step").
+- Large blocks live in segments (one cudaMalloc each, rounded up to 2 MiB). A request takes the
+  smallest free block that holds it (best fit; of equal sizes the lowest address) and the rest of
+  that block stays free; a freed block merges with its free neighbours of the same owner. So the
+  cache needs about the peak of live large bytes, not, for every size, the most blocks of that size
+  ever live at once: a step whose activations and gradients peak at different times in different
+  sizes fits in what either needs (the 76-layer fp32 GPT could not be captured without it).
 
-A captured CUDA graph replays into the addresses it was recorded with, long after Python
-freed them. So while a graph is captured (`capture_into(pool)`) every block allocated or
-freed belongs to that GraphPool: a block freed during capture is reused only by later
-requests of the same capture, never by eager work, and the pool's blocks stay reserved
-until the graph is dropped (`release_pool`). A buffer the host writes between replays (a
-scalar the next replay reads) must not be one of those recycled blocks: the graph's own
-temporaries overwrite them during every replay. It is allocated under `host_written()`, from
-the eager cache, which the graph never touches.
+The same sequence of requests (and driver addresses) always gives the same addresses: every
+choice above is a function of the request sequence, which kiln's bitwise reproducible training
+and its graph replays rely on.
+
+Every block is cached on free and reused at once: safe because all of kiln's work is ordered on its
+one stream (device.stream()). Memory handed to another stream (NCCL, a copy stream) must be
+ordered with events by its user. Only a segment that is wholly free goes back to the driver.
+
+A captured CUDA graph replays into the addresses it was recorded with, long after Python freed
+them. So every block has an owner: the eager cache or the GraphPool of a graph. While a graph is
+captured (`capture_into(pool)`) a block allocated or freed belongs to that pool: it is taken from
+the pool's free blocks, else from the eager cache's (a split leaves the rest eager), else from a
+new segment of the pool's; a block freed during the capture is reused only by later requests of
+the same capture; a block stays its owner's (never merged with or handed to another owner) until
+the graph is dropped (`release_pool`), when the pool's blocks become eager cache. A buffer the host
+writes between replays (a scalar the next replay reads) must not be one of those recycled blocks:
+the graph's own temporaries overwrite them during every replay. It is allocated under
+`host_written()`, from the eager cache, which the graph never touches.
 The bookkeeping is pure Python with injectable driver calls, so CPU tests can check it.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 
 from kiln.errors import KilnError
 
 SMALL_GRANULARITIES = (512, 1024, 2048, 4096, 8192, 16384, 65536)
-LARGE_GRANULARITIES = (512, 4096, 65536, 131072, 524288, 1 << 21, 1 << 22)
+LARGE_GRANULARITY = 512
 LARGE_THRESHOLD = 1 << 20
+SEGMENT_GRANULARITY = 1 << 21
 MAX_TRACE_EVENTS = 1 << 21
 
 
@@ -47,7 +62,7 @@ class Rounding:
 
     __slots__ = ("small", "large", "threshold")
 
-    def __init__(self, small: int = 512, large: int = 131072, threshold: int = LARGE_THRESHOLD):
+    def __init__(self, small: int = 512, large: int = LARGE_GRANULARITY, threshold: int = LARGE_THRESHOLD):
         for name, g in (("small", small), ("large", large)):
             if g < 1 or g & (g - 1):
                 raise KilnError(f"allocator {name} granularity must be a power of two >= 1, got {g}")
@@ -65,7 +80,7 @@ class Rounding:
 
 
 def simulate(trace, rounding) -> dict:
-    """Replay an alloc/free trace through an exact-class block pool; what it would hold.
+    """Replay an alloc/free trace through an exact-class block pool (the small band); what it would hold.
 
     trace: ("alloc", id, size) and ("free", id, 0) events. Returns reserved (bytes taken from
     the driver, which never shrinks), peak_requested, peak_allocated and blocks.
@@ -98,37 +113,100 @@ def simulate(trace, rounding) -> dict:
             "blocks": blocks}
 
 
-def choose_rounding(trace, smalls=SMALL_GRANULARITIES, larges=LARGE_GRANULARITIES,
-                    threshold: int = LARGE_THRESHOLD):
-    """(Rounding, report) minimising the bytes the trace would reserve; ties go to coarser rounding."""
+def small_requests(trace, threshold: int = LARGE_THRESHOLD) -> list:
+    """The events of a trace's requests below `threshold` (the band of exact-size blocks)."""
+    small, out = set(), []
+    for kind, ident, size in trace:
+        if kind == "alloc" and size < threshold:
+            small.add(ident)
+        if ident in small:
+            out.append((kind, ident, size))
+    return out
+
+
+def choose_rounding(trace, smalls=SMALL_GRANULARITIES, threshold: int = LARGE_THRESHOLD):
+    """(Rounding, report) minimising the bytes the trace's small requests would reserve; ties go to
+    coarser rounding. Large requests keep LARGE_GRANULARITY: best-fit splitting, not a coarse size
+    class, lets one block serve sizes that alternate."""
+    trace = small_requests(trace, threshold)
     best = None
     for s in smalls:
-        for g in larges:
-            r = Rounding(s, g, threshold)
-            sim = simulate(trace, r)
-            score = (sim["reserved"], -s, -g)
-            if best is None or score < best[0]:
-                best = (score, r, sim)
+        r = Rounding(s, LARGE_GRANULARITY, threshold)
+        sim = simulate(trace, r)
+        score = (sim["reserved"], -s)
+        if best is None or score < best[0]:
+            best = (score, r, sim)
     if best is None:
         return Rounding(), {}
     _, r, sim = best
     return r, {**sim, "wasted": sim["reserved"] - sim["peak_requested"]}
 
 
-class GraphPool:
-    """The blocks a captured graph owns: its free list (reused only inside its capture) and all of them."""
+class _Block:
+    """A range of one driver segment, handed out (live) or free in its owner's cache. Small blocks are
+    a whole segment; large ones are linked to their neighbours in the segment (prev, next)."""
+
+    __slots__ = ("ptr", "size", "device", "large", "prev", "next", "owner", "free")
+
+    def __init__(self, ptr, size, device, large, owner):
+        self.ptr, self.size, self.device, self.large, self.owner = ptr, size, device, large, owner
+        self.prev = self.next = None
+        self.free = False
+
+
+class BlockCache:
+    """The free blocks of one owner: small ones by (device, exact size), large ones by (size, address)."""
 
     def __init__(self):
-        self.free: dict = {}     # (device, rounded size) -> [ptr]
-        self.blocks: dict = {}   # ptr -> (device, rounded size)
+        self._small: dict = {}   # (device, size) -> [block], the last freed reused first
+        self._large: dict = {}   # device -> sorted [(size, ptr)]
+        self._large_blocks: dict = {}  # ptr -> free large block
+
+    def push(self, block: _Block) -> None:
+        block.free = True
+        if block.large:
+            bisect.insort(self._large.setdefault(block.device, []), (block.size, block.ptr))
+            self._large_blocks[block.ptr] = block
+        else:
+            self._small.setdefault((block.device, block.size), []).append(block)
+
+    def remove(self, block: _Block) -> None:
+        block.free = False
+        if block.large:
+            keys = self._large[block.device]
+            del keys[bisect.bisect_left(keys, (block.size, block.ptr))]
+            del self._large_blocks[block.ptr]
+        else:
+            self._small[(block.device, block.size)].remove(block)
+
+    def best_fit(self, size: int, device: int, large: bool) -> _Block | None:
+        """The free block a request of `size` rounded bytes takes (still in the cache), or None."""
+        if not large:
+            blocks = self._small.get((device, size))
+            return blocks[-1] if blocks else None
+        keys = self._large.get(device, ())
+        i = bisect.bisect_left(keys, (size, -1))
+        return self._large_blocks[keys[i][1]] if i < len(keys) else None
+
+    def free_blocks(self) -> list:
+        return [b for blocks in self._small.values() for b in blocks] + list(self._large_blocks.values())
+
+
+class GraphPool(BlockCache):
+    """The blocks a captured graph owns (`blocks`, live or free) and its cache (reused only inside its capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks: dict = {}   # ptr -> block
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(r for _, r in self.blocks.values())
+        return sum(b.size for b in self.blocks.values())
 
 
 class CachingAllocator:
-    """Exact-size block pools over injectable driver malloc/free (cudaMalloc/cudaFree by default)."""
+    """Exact-size small blocks and best-fit split large ones over injectable driver malloc/free
+    (cudaMalloc/cudaFree by default)."""
 
     def __init__(self, driver_malloc=None, driver_free=None, rounding: Rounding | None = None,
                  record: bool = True, driver_sync=None):
@@ -140,34 +218,41 @@ class CachingAllocator:
         self._depth = 0  # how many locked sections the lock's holder is inside (see _locked)
         self._draining = False  # the outermost section is running the deferred calls
         self._deferred: list = []  # frees and pool releases asked for by finalizers inside a locked section
-        self._free: dict = {}   # (device, rounded size) -> [ptr]
-        self._live: dict = {}   # ptr -> (device, rounded size, requested size, trace id)
+        self._eager = BlockCache()
+        self._segments: dict = {}  # base ptr -> (its first block, size): what the driver gave
+        self._live: dict = {}   # ptr -> (block, requested size, trace id)
         self._trace = [] if record else None
         self._capturing: GraphPool | None = None
         self._pools: list = []  # pools of graphs that can still be replayed
         self._next_id = 0
         self.learned: dict | None = None
-        self.observers: list = []  # callables (event, ptr, requested size, rounded size): the profiler's timeline
+        self.observers: list = []  # callables (event, ptr, requested size, block size): the profiler's timeline
         self._stats = dict.fromkeys(("allocated_bytes", "requested_bytes", "reserved_bytes",
                                      "peak_allocated_bytes", "peak_requested_bytes", "peak_reserved_bytes",
                                      "num_allocs", "num_frees", "num_driver_mallocs", "num_driver_frees",
-                                     "num_ooms"), 0)
+                                     "num_ooms", "num_splits", "num_merges"), 0)
 
     # CuPy's PythonFunctionAllocator calls malloc(size, device_id) -> ptr and free(ptr, device_id).
     def malloc(self, size: int, device_id: int = 0) -> int:
         size = int(size)
         with self._locked():
             r = self.rounding(size)
+            large = r >= self.rounding.threshold
             graph = self._capturing
-            pool = graph.free.get((device_id, r)) if graph is not None else None
-            if not pool:
-                pool = self._free.get((device_id, r))
-            if pool:
-                ptr = pool.pop()
+            owner = graph if graph is not None else self._eager
+            block = owner.best_fit(r, device_id, large)
+            if block is None and graph is not None:
+                block = self._eager.best_fit(r, device_id, large)  # the graph takes it: its own from now on
+            if block is not None:
+                block.owner.remove(block)
             else:
-                ptr = self._grow(r, size, device_id)
+                block = self._grow(r, size, device_id, large, owner)
+            if block.large and block.size > r:
+                self._split(block, r)
+            if block.owner is not owner:
+                block.owner = owner
             if graph is not None:
-                graph.blocks[ptr] = (device_id, r)
+                graph.blocks[block.ptr] = block
             ident = None
             if self._trace is not None:
                 ident = self._next_id
@@ -175,16 +260,16 @@ class CachingAllocator:
                 self._trace.append(("alloc", ident, size))
                 if len(self._trace) >= MAX_TRACE_EVENTS:
                     self._trace = None  # end_warmup never came: keep the sizes bounded
-            self._live[ptr] = (device_id, r, size, ident)
+            self._live[block.ptr] = (block, size, ident)
             for observer in self.observers:
-                observer("alloc", ptr, size, r)
+                observer("alloc", block.ptr, size, r)
             st = self._stats
             st["num_allocs"] += 1
             st["allocated_bytes"] += r
             st["requested_bytes"] += size
             st["peak_allocated_bytes"] = max(st["peak_allocated_bytes"], st["allocated_bytes"])
             st["peak_requested_bytes"] = max(st["peak_requested_bytes"], st["requested_bytes"])
-            return ptr
+            return block.ptr
 
     def free(self, ptr: int, device_id: int = 0) -> None:
         with self._locked() as inside:
@@ -194,9 +279,13 @@ class CachingAllocator:
             got = self._live.pop(ptr, None)
             if got is None:
                 return
-            dev, r, size, ident = got
-            graph = self._owner(ptr)
-            (graph.free if graph is not None else self._free).setdefault((dev, r), []).append(ptr)
+            block, size, ident = got
+            r = block.size
+            if block.owner is self._eager and self._capturing is not None:
+                # the graph being captured may have recorded reads of it: it keeps the block
+                block.owner = self._capturing
+                self._capturing.blocks[block.ptr] = block
+            self._cache(block)
             if self._trace is not None and ident is not None:
                 self._trace.append(("free", ident, 0))
             for observer in self.observers:
@@ -206,9 +295,48 @@ class CachingAllocator:
             st["allocated_bytes"] -= r
             st["requested_bytes"] -= size
 
-    def _grow(self, r: int, size: int, device_id: int) -> int:
+    def _split(self, block: _Block, size: int) -> None:
+        """Cut a large block to `size` bytes; the rest is a free block of the same owner after it."""
+        rest = _Block(block.ptr + size, block.size - size, block.device, True, block.owner)
+        rest.prev, rest.next = block, block.next
+        if block.next is not None:
+            block.next.prev = rest
+        block.next, block.size = rest, size
+        if isinstance(rest.owner, GraphPool):
+            rest.owner.blocks[rest.ptr] = rest
+        self._stats["num_splits"] += 1
+        self._cache(rest)
+
+    def _cache(self, block: _Block) -> None:
+        """Put a block that is no longer handed out into its owner's cache, merged with its free neighbours
+        of the same owner (never another owner's: a graph's blocks stay its own)."""
+        owner = block.owner
+        if block.large:
+            prev = block.prev
+            if prev is not None and prev.free and prev.owner is owner:
+                owner.remove(prev)
+                block = self._merge(prev, block)
+            nxt = block.next
+            if nxt is not None and nxt.free and nxt.owner is owner:
+                owner.remove(nxt)
+                block = self._merge(block, nxt)
+        owner.push(block)
+
+    def _merge(self, first: _Block, second: _Block) -> _Block:
+        first.size += second.size
+        first.next = second.next
+        if second.next is not None:
+            second.next.prev = first
+        if isinstance(second.owner, GraphPool):
+            del second.owner.blocks[second.ptr]
+        self._stats["num_merges"] += 1
+        return first
+
+    def _grow(self, r: int, size: int, device_id: int, large: bool, owner: BlockCache) -> _Block:
+        """A new segment holding r bytes (a large one rounded up to SEGMENT_GRANULARITY), as one block."""
+        seg = -(-r // SEGMENT_GRANULARITY) * SEGMENT_GRANULARITY if large else r
         try:
-            ptr = self._driver_malloc(r, device_id)
+            ptr = self._driver_malloc(seg, device_id)
         except MemoryError:
             if self._capturing is not None:
                 # Giving the cache back needs cudaDeviceSynchronize and cudaFree, which a capturing
@@ -221,7 +349,7 @@ class CachingAllocator:
                     "more memory than the device has: reduce the batch size or the sequence length") from None
             self._release_locked()  # give the cache back and try once more
             try:
-                ptr = self._driver_malloc(r, device_id)
+                ptr = self._driver_malloc(seg, device_id)
             except MemoryError:
                 self._stats["num_ooms"] += 1
                 stats = self._stats_locked()
@@ -230,11 +358,13 @@ class CachingAllocator:
                     f"allocated {stats['allocated_bytes']}, reserved {stats['reserved_bytes']}, "
                     f"peak allocated {stats['peak_allocated_bytes']}, wasted {stats['wasted_bytes']} bytes. "
                     "Reduce the batch size or the sequence length.") from None
+        block = _Block(ptr, seg, device_id, large, owner)
+        self._segments[ptr] = (block, seg)
         st = self._stats
         st["num_driver_mallocs"] += 1
-        st["reserved_bytes"] += r
+        st["reserved_bytes"] += seg
         st["peak_reserved_bytes"] = max(st["peak_reserved_bytes"], st["reserved_bytes"])
-        return ptr
+        return block
 
     @contextlib.contextmanager
     def _locked(self):
@@ -264,29 +394,24 @@ class CachingAllocator:
                         self._draining = False
 
     def _release_locked(self) -> int:
-        released = 0
-        if any(self._free.values()):
+        """Return every wholly free segment of the eager cache to the driver; the bytes released."""
+        whole = [b for b in self._eager.free_blocks() if b.prev is None and b.next is None]
+        if whole:
             self._driver_sync()  # a cached block may still be read by queued kernels
-        for (dev, r), ptrs in self._free.items():
-            for p in ptrs:
-                self._driver_free(p, dev)
-                released += r
-                self._stats["num_driver_frees"] += 1
-        self._free.clear()
+        released = 0
+        for block in whole:
+            self._eager.remove(block)
+            del self._segments[block.ptr]
+            self._driver_free(block.ptr, block.device)
+            released += block.size
+            self._stats["num_driver_frees"] += 1
         self._stats["reserved_bytes"] -= released
         return released
 
-    def _owner(self, ptr: int) -> GraphPool | None:
-        """The graph pool a freed block returns to: the one it was captured into (that graph may still
-        replay into it), else the pool being captured now, else none (the eager cache)."""
-        for pool in self._pools:
-            if ptr in pool.blocks:
-                return pool
-        return self._capturing
-
     @contextlib.contextmanager
     def capture_into(self, pool: GraphPool):
-        """While a graph is captured: blocks come from (and are freed into) `pool`, never the eager cache."""
+        """While a graph is captured: blocks come from `pool` (or from the eager cache's free blocks, which
+        become the pool's) and are freed into it; the eager cache never gets them back before release_pool."""
         with self._locked():
             if self._capturing is not None:
                 raise KilnError("a CUDA graph is already being captured; captures do not nest")
@@ -313,18 +438,23 @@ class CachingAllocator:
                 self._capturing = saved
 
     def release_pool(self, pool: GraphPool) -> None:
-        """The graph is dropped: its free blocks join the eager cache; blocks still live follow on free."""
+        """The graph is dropped: its blocks join the eager cache (merged with free neighbours); blocks
+        still live follow on free."""
         with self._locked() as inside:
             if inside:
                 self._deferred.append(lambda: self.release_pool(pool))
                 return
             if pool in self._pools:
                 self._pools.remove(pool)
-            live = {p for p in pool.blocks if p in self._live}
-            for key, ptrs in pool.free.items():
-                self._free.setdefault(key, []).extend(ptrs)
-            pool.free.clear()
-            pool.blocks = {p: v for p, v in pool.blocks.items() if p in live}
+            blocks = list(pool.blocks.values())
+            pool.blocks = {}
+            for block in blocks:
+                if block.free:
+                    pool.remove(block)
+                    block.owner = self._eager
+                    self._cache(block)
+                else:
+                    block.owner = self._eager
 
     def release_unused(self) -> int:
         """Return every cached (free) block to the driver; the number of bytes released."""
@@ -348,9 +478,63 @@ class CachingAllocator:
         st["wasted_bytes"] = st["reserved_bytes"] - st["requested_bytes"]  # rounding + idle cache
         st["rounding_waste_bytes"] = st["allocated_bytes"] - st["requested_bytes"]
         st["graph_pool_bytes"] = sum(pool.reserved_bytes for pool in self._pools)  # held for graph replays
+        st["num_segments"] = len(self._segments)
         st["rounding"] = self.rounding.as_dict()
         st["warmup"] = self._trace is not None
         return st
+
+    def integrity_problems(self) -> list:
+        """What is wrong with the bookkeeping (empty when nothing is): every segment is tiled by its blocks
+        without gap or overlap, each block is handed out once or free in exactly its owner's cache, free
+        neighbours of one owner are merged, a graph pool lists exactly the blocks it owns, and the byte
+        counts equal the blocks'."""
+        with self._locked():
+            bad = []
+            owners = [self._eager] + self._pools + ([self._capturing] if self._capturing not in (None, *self._pools) else [])
+            cached = {}
+            for owner in owners:
+                for b in owner.free_blocks():
+                    if id(b) in cached:
+                        bad.append(f"{b.ptr:#x} free twice")
+                    cached[id(b)] = owner
+            listed = {}
+            for pool in owners[1:]:
+                for ptr, b in pool.blocks.items():
+                    if b.ptr != ptr or b.owner is not pool:
+                        bad.append(f"{ptr:#x} listed by a pool that does not own it")
+                    listed[id(b)] = pool
+            live = reserved = 0
+            for base, (block, size) in self._segments.items():
+                reserved += size
+                end, b, prev = base + size, block, None
+                while b is not None:
+                    if b.prev is not prev or b.ptr != (base if prev is None else prev.ptr + prev.size) or b.size <= 0:
+                        bad.append(f"{b.ptr:#x} breaks the tiling of segment {base:#x}")
+                    if b.free != (id(b) in cached) or (b.free and cached[id(b)] is not b.owner):
+                        bad.append(f"{b.ptr:#x} free={b.free} but cached by {cached.get(id(b))!r}")
+                    if b.free == (b.ptr in self._live and self._live[b.ptr][0] is b):
+                        bad.append(f"{b.ptr:#x} both handed out and free, or neither")
+                    if isinstance(b.owner, GraphPool) != (id(b) in listed):
+                        bad.append(f"{b.ptr:#x} owned by a pool that does not list it")
+                    if prev is not None and b.free and prev.free and b.owner is prev.owner:
+                        bad.append(f"{b.ptr:#x} free beside free {prev.ptr:#x} of the same owner, not merged")
+                    live += 0 if b.free else b.size
+                    prev, b = b, b.next
+                if prev.ptr + prev.size != end:
+                    bad.append(f"segment {base:#x} of {size} bytes ends at {prev.ptr + prev.size:#x}")
+            if len(cached) + len(self._live) != sum(1 for _ in self._all_blocks()):
+                bad.append("a cached or live block is in no segment")
+            st = self._stats
+            if (live, reserved) != (st["allocated_bytes"], st["reserved_bytes"]):
+                bad.append(f"allocated/reserved {st['allocated_bytes']}/{st['reserved_bytes']} bytes, "
+                           f"the blocks hold {live}/{reserved}")
+            return bad
+
+    def _all_blocks(self):
+        for block, _ in self._segments.values():
+            while block is not None:
+                yield block
+                block = block.next
 
     def memory_stats(self) -> dict:
         """Allocated, requested, reserved, cached and wasted bytes now, their peaks, and call counts."""
