@@ -309,26 +309,36 @@ class CachingAllocator:
 
     def _cache(self, block: _Block) -> None:
         """Put a block that is no longer handed out into its owner's cache, merged with its free neighbours
-        of the same owner (never another owner's: a graph's blocks stay its own)."""
+        of the same owner (never another graph's: a graph's blocks stay its own). The graph being captured
+        also takes free neighbours from the eager cache, as its requests may: one range, not two."""
         owner = block.owner
         if block.large:
             prev = block.prev
-            if prev is not None and prev.free and prev.owner is owner:
-                owner.remove(prev)
-                block = self._merge(prev, block)
+            if prev is not None and self._joins(prev, owner):
+                block = self._merge(prev, block, owner)
             nxt = block.next
-            if nxt is not None and nxt.free and nxt.owner is owner:
-                owner.remove(nxt)
-                block = self._merge(block, nxt)
+            if nxt is not None and self._joins(nxt, owner):
+                block = self._merge(block, nxt, owner)
         owner.push(block)
 
-    def _merge(self, first: _Block, second: _Block) -> _Block:
+    def _joins(self, neighbour: _Block, owner: BlockCache) -> bool:
+        return neighbour.free and (neighbour.owner is owner
+                                   or (owner is self._capturing and neighbour.owner is self._eager))
+
+    def _merge(self, first: _Block, second: _Block, owner: BlockCache) -> _Block:
+        """One block of `owner` from two neighbours (the free one leaves its cache)."""
+        for b in (first, second):
+            if b.free:
+                b.owner.remove(b)
+            if isinstance(b.owner, GraphPool):
+                del b.owner.blocks[b.ptr]
         first.size += second.size
         first.next = second.next
         if second.next is not None:
             second.next.prev = first
-        if isinstance(second.owner, GraphPool):
-            del second.owner.blocks[second.ptr]
+        first.owner = owner
+        if isinstance(owner, GraphPool):
+            owner.blocks[first.ptr] = first
         self._stats["num_merges"] += 1
         return first
 
