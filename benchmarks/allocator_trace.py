@@ -150,10 +150,10 @@ class StepTrace:
         return gw
 
 
-def exact_size_need(n_layer, d, batch, seq) -> dict:
+def exact_size_need(n_layer, d, batch, seq, vocab=50304) -> dict:
     """Bytes the exact-size pool's capture needs from the driver: parameters and moments, plus the
     capture's pool (the last eager step's gradients, freed into it, and every block the step adds)."""
-    t = StepTrace(n_layer, d, batch, seq)
+    t = StepTrace(n_layer, d, batch, seq, vocab)
     t.persistent()
     persistent = sum(size for _, _, size in t.events)
     t.events = []
@@ -165,12 +165,12 @@ def exact_size_need(n_layer, d, batch, seq) -> dict:
             "peak_live": persistent + best["peak_requested"]}
 
 
-def run_allocator(n_layer, d, batch, seq, capacity: int, capture: bool = True) -> dict:
+def run_allocator(n_layer, d, batch, seq, capacity: int, capture: bool = True, vocab=50304) -> dict:
     """The trace through kiln's allocator over a fake device: persistent state, two eager steps (end_warmup
     after the first), the cache returned, the third step captured (or eager). Driver bytes at the peak."""
     dev = FakeDevice(capacity)
     a = CachingAllocator(dev.malloc, dev.free)
-    t = StepTrace(n_layer, d, batch, seq)
+    t = StepTrace(n_layer, d, batch, seq, vocab)
     ptrs: dict = {}
 
     def play(start: int) -> None:
