@@ -66,6 +66,9 @@ class Rounding:
         for name, g in (("small", small), ("large", large)):
             if g < 1 or g & (g - 1):
                 raise KilnError(f"allocator {name} granularity must be a power of two >= 1, got {g}")
+        if large < 256:
+            raise KilnError(f"allocator large granularity must be >= 256 (blocks cut from one segment stay "
+                            f"aligned as cudaMalloc's), got {large}")
         self.small, self.large, self.threshold = int(small), int(large), int(threshold)
 
     def __call__(self, size: int) -> int:

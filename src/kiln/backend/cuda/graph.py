@@ -48,10 +48,10 @@ def capture(fn) -> CapturedGraph:
     s = rt.stream()
     s.synchronize()
     # The eager cache goes back to the driver first: a capture cannot return it (cudaFree and
-    # cudaDeviceSynchronize are refused while a stream captures), so a step that fills the device
-    # (the 76-layer fp32 model) would find its sizes missing from a cache of other sizes, and fail
-    # with cudaErrorStreamCaptureUnsupported. Now every block the graph needs is a new cudaMalloc,
-    # which the relaxed capture mode allows, and the graph needs what an eager step needs.
+    # cudaDeviceSynchronize are refused while a stream captures), and cached segments too small for
+    # the graph's requests would hold a full device (the 76-layer fp32 model) while the capture runs
+    # out. Only segments with live blocks stay (the capture may take their free parts); the rest of
+    # what the graph needs is new cudaMallocs, which the relaxed capture mode allows.
     alloc.release_unused()
     pool = allocator.GraphPool()
     with alloc.capture_into(pool):
