@@ -17,18 +17,26 @@ it makes the weight gradients) and replays it:
 It prints the bytes each needs from the driver beside the peak of live bytes. Nothing is timed.
 
     python benchmarks/allocator_trace.py --n-layer 76
+    python benchmarks/allocator_trace.py --replay trace.json   # a trace recorded on the GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kiln.backend.cuda.allocator import CachingAllocator, GraphPool, Rounding, simulate  # noqa: E402
+from kiln.backend.cuda.allocator import (  # noqa: E402
+    CachingAllocator,
+    GraphPool,
+    OutOfMemoryError,
+    Rounding,
+    simulate,
+)
 
 OLD_LARGE_GRANULARITIES = (512, 4096, 65536, 131072, 524288, 1 << 21, 1 << 22)  # the exact-size allocator's
 
@@ -165,11 +173,15 @@ def exact_size_need(n_layer, d, batch, seq, vocab=50304) -> dict:
             "peak_live": persistent + best["peak_requested"]}
 
 
-def run_allocator(n_layer, d, batch, seq, capacity: int, capture: bool = True, vocab=50304) -> dict:
+def run_allocator(n_layer, d, batch, seq, capacity: int, capture: bool = True, vocab=50304,
+                  log: list | None = None) -> dict:
     """The trace through kiln's allocator over a fake device: persistent state, two eager steps (end_warmup
-    after the first), the cache returned, the third step captured (or eager). Driver bytes at the peak."""
+    after the first), the cache returned, the third step captured (or eager). Driver bytes at the peak.
+    `log` gets the run's events as graph_capture_size.py --save-trace writes them."""
     dev = FakeDevice(capacity)
     a = CachingAllocator(dev.malloc, dev.free)
+    if log is not None:
+        a.observers.append(lambda kind, ptr, requested, rounded: log.append((kind, ptr, requested, a.capturing)))
     t = StepTrace(n_layer, d, batch, seq, vocab)
     ptrs: dict = {}
 
@@ -189,6 +201,8 @@ def run_allocator(n_layer, d, batch, seq, capacity: int, capture: bool = True, v
         mark = len(t.events)
         if i == 0:
             a.end_warmup()
+            if log is not None:
+                log.append(("end_warmup", 0, 0, False))
     eager_peak = dev.peak
     a.release_unused()
     dev.peak = dev.used
@@ -202,6 +216,41 @@ def run_allocator(n_layer, d, batch, seq, capacity: int, capture: bool = True, v
             "segments": st["num_segments"], "problems": a.integrity_problems()}
 
 
+def replay_recorded(events: list, capacity: int) -> dict:
+    """A run recorded on the GPU (graph_capture_size.py --save-trace) through kiln's allocator over a fake
+    device: its end_warmup where the run called it, the cache returned and a GraphPool entered where its
+    capture began. The driver's peak before and during the capture, or where it ran out."""
+    dev = FakeDevice(capacity)
+    a = CachingAllocator(dev.malloc, dev.free)
+    ptrs: dict = {}
+    capture, eager_peak, done = None, None, 0
+    try:
+        for kind, ptr, requested, capturing in events:
+            if kind == "end_warmup":
+                a.end_warmup()
+            elif capturing and capture is None and eager_peak is None:
+                eager_peak = dev.peak
+                a.release_unused()
+                dev.peak = dev.used
+                capture = a.capture_into(GraphPool())
+                capture.__enter__()
+            elif not capturing and capture is not None:
+                capture.__exit__(None, None, None)
+                capture = None
+            if kind == "alloc":
+                ptrs[ptr] = a.malloc(requested)
+            elif kind == "free" and ptr in ptrs:
+                a.free(ptrs.pop(ptr))
+            done += 1
+        failure = None
+    except OutOfMemoryError as e:
+        failure = f"event {done} of {len(events)}: {e}"
+    st = a.memory_stats()
+    return {"events": len(events), "eager_driver_peak": dev.peak if eager_peak is None else eager_peak,
+            "capture_driver_peak": None if eager_peak is None else dev.peak,
+            "peak_allocated": st["peak_allocated_bytes"], "failure": failure, "problems": a.integrity_problems()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n-layer", type=int, default=76)
@@ -209,10 +258,23 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--capacity", type=float, default=150.7e9, help="the fake device's bytes (H200: ~150.7e9)")
+    ap.add_argument("--replay", metavar="PATH", help="a trace recorded on the GPU (graph_capture_size.py "
+                    "--save-trace) instead of the synthetic one")
     args = ap.parse_args()
+    gb = 1e9
+    if args.replay:
+        events = json.loads(Path(args.replay).read_text())
+        for capacity in (int(args.capacity), 1 << 60):
+            got = replay_recorded(events, capacity)
+            cap = "unlimited" if capacity == 1 << 60 else f"{capacity / gb:.1f} GB"
+            during = got["capture_driver_peak"]
+            print(f"{got['events']} events, device {cap}: driver peak {got['eager_driver_peak'] / gb:.2f} GB eagerly, "
+                  f"{'no capture' if during is None else f'{during / gb:.2f} GB captured'}; peak allocated "
+                  f"{got['peak_allocated'] / gb:.2f} GB; {got['failure'] or 'fits'}; bookkeeping problems: "
+                  f"{got['problems'] or 'none'}", flush=True)
+        return
     shape = (args.n_layer, args.n_embd, args.batch_size, args.seq_len)
     before = exact_size_need(*shape)
-    gb = 1e9
     print(f"persistent (parameters + AdamW moments): {before['persistent'] / gb:.2f} GB; "
           f"peak of live bytes in the step: {before['peak_live'] / gb:.2f} GB", flush=True)
     print(f"before (exact-size blocks), captured step needs {before['capture_reserved'] / gb:.2f} GB "

@@ -4,12 +4,14 @@ two eager steps (as the Trainer does), captures the step and replays it (or, as 
 op when the capture fails); prints whether the capture held, the step times and the peak memory. Writes
 nothing: one line per phase.
 
-    python benchmarks/graph_capture_size.py --n-layer 76 --batch-size 2 --seq-len 1024
+    python benchmarks/graph_capture_size.py --n-layer 76 --batch-size 2 --seq-len 1024 [--save-trace run.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +27,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--replays", type=int, default=3)
+    ap.add_argument("--save-trace", metavar="PATH", help="write every allocation and free of the run (JSON: kind, "
+                    "address, bytes, whether a graph was captured) for `benchmarks/allocator_trace.py --replay PATH`")
     args = ap.parse_args()
     import numpy as np
 
@@ -35,6 +39,16 @@ def main() -> None:
     from kiln.train import plain_step
 
     dev = kiln.device("cuda")
+    events: list = []
+    if args.save_trace:  # every request from the model's build on, replayable on the CPU
+        from kiln.backend.cuda import allocator
+        alloc = allocator.install()
+        alloc.observers.append(lambda kind, ptr, requested, rounded: events.append((kind, ptr, requested,
+                                                                                    alloc.capturing)))
+        atexit.register(lambda: Path(args.save_trace).write_text(json.dumps(events)))
+        import cupy
+        free, total = cupy.cuda.runtime.memGetInfo()
+        print(f"device memory: {free} bytes free of {total} (replay the trace with --capacity {free})", flush=True)
     t0 = time.perf_counter()
     cfg = preset("gpt2-124m", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_len)
     model = GPT(cfg, generator=kiln.Generator(1)).to(dev)
@@ -55,6 +69,7 @@ def main() -> None:
         loss = step(*batch()).item()
         if i == 0:
             backend.end_warmup()
+            events.append(("end_warmup", 0, 0, False))
         print(f"eager step {i}: loss {loss:.4f}, {time.perf_counter() - t0:.2f} s", flush=True)
     graph = CapturedStep(step)
     try:

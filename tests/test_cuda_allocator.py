@@ -400,6 +400,21 @@ def test_a_step_whose_exact_size_pool_overflows_the_device_fits_by_its_live_peak
     assert got["graph_pool"] > 0
 
 
+def test_a_run_recorded_on_the_gpu_replays_on_the_cpu_as_it_ran():
+    """graph_capture_size.py --save-trace logs every request of the GPU run; allocator_trace.py --replay
+    runs them through the allocator again: the same driver peaks, eager and captured."""
+    from tests.benchmark_support import load_benchmark
+    trace = load_benchmark("allocator_trace")
+    log: list = []
+    ran = trace.run_allocator(8, 1024, 4, 512, capacity=int(2.6e9), vocab=8192, log=log)
+    assert any(capturing for *_, capturing in log) and ("end_warmup", 0, 0, False) in log
+    replayed = trace.replay_recorded(log, int(2.6e9))
+    assert replayed["failure"] is None and replayed["problems"] == []
+    assert (replayed["eager_driver_peak"], replayed["capture_driver_peak"]) == (ran["eager_driver_peak"], ran["driver_peak"])
+    short = trace.replay_recorded(log, max(ran["driver_peak"], ran["eager_driver_peak"]) - (64 << 20))
+    assert short["failure"].startswith("event ") and "out of device memory" in short["failure"]
+
+
 def _random_run(seed: int, ops: int = 600) -> list:
     """Random mallocs and frees of small and large sizes, captures (with frees of eager blocks and
     host-written buffers inside), graph releases and cache flushes, over a device that can be full.

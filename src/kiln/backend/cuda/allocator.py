@@ -474,6 +474,11 @@ class CachingAllocator:
         with self._locked():
             return self._release_locked()
 
+    @property
+    def capturing(self) -> bool:
+        """Whether a graph is being captured now (its blocks come from its pool)."""
+        return self._capturing is not None
+
     def end_warmup(self, release: bool = True) -> dict:
         """Learn the rounding from the recorded trace, stop recording, and (by default) flush the cache."""
         with self._locked():
