@@ -180,7 +180,11 @@ class BlockCache:
             del keys[bisect.bisect_left(keys, (block.size, block.ptr))]
             del self._large_blocks[block.ptr]
         else:
-            self._small[(block.device, block.size)].remove(block)
+            blocks = self._small[(block.device, block.size)]
+            if blocks[-1] is block:  # the one best_fit returns
+                blocks.pop()
+            else:
+                blocks.remove(block)
 
     def best_fit(self, size: int, device: int, large: bool) -> _Block | None:
         """The free block a request of `size` rounded bytes takes (still in the cache), or None."""
@@ -192,6 +196,7 @@ class BlockCache:
         return self._large_blocks[keys[i][1]] if i < len(keys) else None
 
     def free_blocks(self) -> list:
+        """Every free block, small ones first, each group in the order it was cached."""
         return [b for blocks in self._small.values() for b in blocks] + list(self._large_blocks.values())
 
 
