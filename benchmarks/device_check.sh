@@ -16,7 +16,9 @@
 # any machine: python benchmarks/fidelity.py --merge benchmarks/results/fidelity/fidelity-<date>-2000steps-*.json
 # launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered), launch-tests
 # (issue 16's CUDA tests: recovery bit for bit, NCCL abort through the store, NVML and NUMA pinning),
-# overlap (a DDP step's bucket collectives against backward, traced), ceilings (GEMM and copy, measured afresh).
+# overlap (a DDP step's bucket collectives against backward, traced), ceilings (GEMM and copy, measured afresh),
+# capture76 (issue 14: the 76-layer fp32 step captured as one graph, every allocation logged to
+# capture76-trace.json and replayed through the allocator on the CPU at the device's free bytes).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -60,6 +62,11 @@ for p in "$@"; do
         launch) part launch 80 python3 benchmarks/recovery.py --device cuda --faults kill,nan ;;
         launch-tests) part launch-tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
                           tests/test_launch_recovery_cuda.py tests/test_launch.py tests/test_launch_health.py ;;
+        capture76) part graph_capture_size-76 400 python3 benchmarks/graph_capture_size.py --n-layer 76 \
+                       --batch-size 2 --seq-len 1024 --save-trace "$LOGS/capture76-trace.json"
+                   free=$(grep -o 'capacity [0-9]*' "$LOGS/graph_capture_size-76.log" | head -1 | cut -d' ' -f2)
+                   part allocator-replay-76 120 python3 benchmarks/allocator_trace.py \
+                       --replay "$LOGS/capture76-trace.json" --capacity "${free:-150.7e9}" ;;
         *) echo "unknown part $p" ;;
     esac
 done
