@@ -133,7 +133,7 @@ def choose_rounding(trace, smalls=SMALL_GRANULARITIES, threshold: int = LARGE_TH
     class, lets one block serve sizes that alternate."""
     trace = small_requests(trace, threshold)
     best = None
-    for s in smalls:
+    for s in smalls if trace else ():  # no small request: nothing to learn from
         r = Rounding(s, LARGE_GRANULARITY, threshold)
         sim = simulate(trace, r)
         score = (sim["reserved"], -s)
