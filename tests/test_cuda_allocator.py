@@ -72,7 +72,7 @@ def test_choose_rounding_learns_the_small_band_only():
     # 3 MiB and 5 MiB alternate: a split block serves both, no coarse class is learned for them
     trace = step_trace([3 << 20]) + step_trace([5 << 20], 1) + step_trace([5000], 2) + step_trace([6000], 3)
     r, report = choose_rounding(trace)
-    assert r.large == 512 and r.small == 8192 and report["reserved"] == 8192  # 5000 and 6000 share a block
+    assert r.large == 512 and r.small == 2048 and report["reserved"] == 6144  # 5000 and 6000 share a block
     assert choose_rounding(step_trace([3 << 20]))[0].small == 512  # nothing small: the default
 
 
