@@ -257,6 +257,18 @@ def test_a_capture_starts_from_an_empty_cache_so_a_full_device_still_captures(mo
     assert captured.result in captured.pool.blocks and drv.used == 8192
 
 
+def _a_victim_and_a_freed_graph_block():
+    """(driver, allocator, a live eager block, a graph's pool, that pool's freed block): what the
+    finalizers of the deadlock tests free and release."""
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free, record=False)
+    victim, pool = a.malloc(4096), GraphPool()
+    with a.capture_into(pool):
+        captured = a.malloc(8192)
+    a.free(captured)
+    return drv, a, victim, pool, captured
+
+
 def test_a_finalizer_that_frees_inside_malloc_does_not_deadlock():
     """Python's garbage collector can run inside malloc (any object allocation may trigger it) and
     collect an array or a dropped graph, whose finalizer calls free / release_pool on the same
@@ -264,12 +276,7 @@ def test_a_finalizer_that_frees_inside_malloc_does_not_deadlock():
     graph-replayed trainings in one process, the second hung); now the inner calls are done when
     the outer one leaves the lock."""
     import threading
-    drv = FakeDriver()
-    a = CachingAllocator(drv.malloc, drv.free, record=False)
-    victim, pool = a.malloc(4096), GraphPool()
-    with a.capture_into(pool):
-        captured = a.malloc(8192)
-    a.free(captured)
+    drv, a, victim, pool, captured = _a_victim_and_a_freed_graph_block()
     a.release_pool(pool)
     crowd = [a.malloc(256) for _ in range(3000)]  # one collection can free a whole cycle of arrays
     finalizers = [lambda: a.free(victim), lambda: a.release_pool(pool)] + [lambda p=p: a.free(p) for p in crowd]
@@ -294,12 +301,7 @@ def test_a_finalizer_between_taking_the_lock_and_entering_the_section_does_not_d
     itself (the H200 suite hung there too, in adamw's free, with release_pool's finalizer waiting on
     the lock): the finalizer's call runs at once, before the section begins."""
     import threading
-    drv = FakeDriver()
-    a = CachingAllocator(drv.malloc, drv.free, record=False)
-    victim, pool = a.malloc(4096), GraphPool()
-    with a.capture_into(pool):
-        captured = a.malloc(8192)
-    a.free(captured)
+    drv, a, victim, pool, captured = _a_victim_and_a_freed_graph_block()
     finalizers = [lambda: a.release_pool(pool), lambda: a.free(victim)]
 
     class CollectingLock:  # takes the real lock, then the garbage collector runs a finalizer
