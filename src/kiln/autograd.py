@@ -44,6 +44,12 @@ class _GradMode:
         return wrapped
 
 
+def graph_retained() -> bool:
+    """True inside a backward(retain_graph=True): a Function whose backward hands on buffers it made
+    in its forward (the fused LM head's gradients) must hand on copies, to give them again next time."""
+    return getattr(_state, "retaining", False)
+
+
 def no_grad() -> _GradMode:
     """Context manager (or decorator): ops inside record no graph."""
     return _GradMode(False)
@@ -248,6 +254,15 @@ def backward(root, grad, retain_graph: bool = False) -> None:
     pending[id(root.grad_fn)][root._output_nr] = grad
     # Later nodes first, as PyTorch does: parameters used last get their gradients first (DDP).
     ready = [(-root.grad_fn.seq, 0, root.grad_fn)]
+    retaining, _state.retaining = graph_retained(), retain_graph
+    try:
+        _run_graph(ready, pending, deps, owned, retain_graph)
+    finally:
+        _state.retaining = retaining
+
+
+def _run_graph(ready, pending, deps, owned, retain_graph) -> None:
+    """Run the ready nodes, and the nodes they make ready, until none is left."""
     tie = itertools.count(1)
     with no_grad():
         while ready:

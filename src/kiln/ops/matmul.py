@@ -101,6 +101,10 @@ class LinearGELU(Function):
         ctx.pre = pre  # an intermediate, not an input: nothing can modify it in place
         return h.reshape(x.shape[:-1] + (weight.shape[0],))
 
+    def release(self) -> None:
+        super().release()
+        self.pre = None
+
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved
@@ -110,7 +114,6 @@ class LinearGELU(Function):
             dpre, db = ctx.backend.gelu_bwd_bias(g2, ctx.pre, ctx.param_grad_dtype)
         else:
             dpre, db = ctx.backend.gelu_bwd(g2, ctx.pre), None
-        ctx.pre = None
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
         dx, dw, _ = ctx.backend.linear_bwd(dpre, x2, w, need[0], need[1], False, ctx.param_grad_dtype)
         if dx is not None:

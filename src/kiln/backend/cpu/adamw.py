@@ -10,11 +10,23 @@ def grad_norm(grads):
     squares are summed in float64 whatever the gradients' dtype (as ZeRO's sharded clip sums them:
     a float32 norm then rounds to the same bits however the gradients were split)."""
     dt = np.float64 if all(g.dtype == np.float64 for g in grads) else np.float32
+    return norm_of_sumsqs([grad_sumsq(g) for g in grads], dt)
+
+
+def grad_sumsq(grad):
+    """One gradient's sum of squares, summed in float64: its term of grad_norm (AdamW in backward
+    takes each gradient's as it is made, kiln.optim.adamw)."""
+    wide = grad.reshape(-1).astype(np.float64)
+    return float(np.dot(wide, wide))
+
+
+def norm_of_sumsqs(sumsqs, dtype):
+    """sqrt of the grad_sumsq terms added in the order given, a 0-d array of dtype: in the gradients'
+    order it is grad_norm(grads) bit for bit."""
     total = 0.0
-    for g in grads:
-        wide = g.reshape(-1).astype(np.float64)
-        total += float(np.dot(wide, wide))
-    return np.asarray(math.sqrt(total), dtype=dt)
+    for s in sumsqs:
+        total += s
+    return np.asarray(math.sqrt(total), dtype=dtype)
 
 
 def scale_(arrays, factor):

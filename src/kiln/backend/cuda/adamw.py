@@ -256,6 +256,27 @@ def grad_norm(grads):
     return out
 
 
+def grad_sumsq(grad):
+    """One gradient's sum of squares, a 0-d float32 device array (float64 for float64), no host sync.
+
+    A cuBLAS dot (grad_norm's path for gradients without a kernel dtype): its float32 sum runs in
+    another order than grad_norm's chunks, so norm_of_sumsqs of these may differ from grad_norm in
+    the last bits on the GPU (on the CPU they agree bit for bit)."""
+    cp = rt.cupy()
+    if grad.dtype == np.float64:
+        return cp.vdot(grad.ravel(), grad.ravel())
+    flat = grad.ravel() if grad.dtype == np.float32 else grad.astype(cp.float32).ravel()
+    return cp.dot(flat, flat)
+
+
+def norm_of_sumsqs(sumsqs, dtype):
+    """sqrt of the sum of grad_sumsq terms, a 0-d device array of dtype (no host sync)."""
+    cp = rt.cupy()
+    if not sumsqs:
+        return cp.zeros((), dtype=dtype)
+    return cp.sqrt(cp.stack([s.reshape(()) for s in sumsqs]).sum()).astype(dtype)
+
+
 def scale_(arrays, factor):
     """Multiply every array in place by a 0-d (device) factor, with no host sync."""
     cp = rt.cupy()
