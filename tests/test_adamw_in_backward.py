@@ -100,3 +100,40 @@ def test_misuse_is_a_clear_error():
     plain = adamw(tiny_gpt("float64"), False)
     with pytest.raises(ConfigError, match="in_backward=True"):
         plain.backward_step(model(x, y)[1])
+
+
+@pytest.mark.parametrize("recompute", [1, 2])
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_recomputed_blocks_give_the_same_training_bit_for_bit(recompute, max_norm):
+    """Blocks that keep only their inputs and run their forward again in backward (GPT.recompute_blocks)
+    train exactly as the plain graph, with AdamW in backward and its two passes too."""
+    plain, redone = tiny_gpt("float32"), tiny_gpt("float32")
+    redone.recompute_blocks = recompute
+    opt, opt_redone = adamw(plain, True), adamw(redone, True)
+    for x, y in batches(3):
+        loss, loss_redone = plain(x, y)[1], redone(x, y)[1]
+        assert loss.numpy().tobytes() == loss_redone.numpy().tobytes()
+        opt.backward_step(loss, max_norm)
+        opt_redone.backward_step(loss_redone, max_norm)
+        for (name, a), b in zip(plain.named_parameters(), redone.parameters()):
+            assert a.numpy().tobytes() == b.numpy().tobytes(), name
+
+
+def test_a_recomputed_block_keeps_only_its_inputs():
+    """The graph of a recomputed block holds two [B, T, C] arrays, the plain block's many more."""
+    from kiln.nn.recompute import RecomputedBlock
+    model = tiny_gpt("float32")
+    x, y = batches(1)[0]
+    model.recompute_blocks = 2
+    loss = model(x, y)[1]
+    nodes, stack, seen = [], [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or not hasattr(node, "next_edges"):
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        stack.extend(e[0] for e in node.next_edges if e is not None)
+    blocks = [n for n in nodes if isinstance(n, RecomputedBlock)]
+    assert len(blocks) == 2
+    assert [sum(a is not None for a in n.saved) for n in blocks] in ([2, 1], [1, 2])  # block 0 has no h

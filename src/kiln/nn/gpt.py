@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.autograd import no_grad
-from kiln.errors import ConfigError
+from kiln.autograd import is_grad_enabled, no_grad
+from kiln.errors import ConfigError, NotBuiltError
 from kiln.nn import functional as F
 from kiln.nn.layers import Dropout, Embedding, LayerNorm, Linear, as_dtype_of
 from kiln.nn.module import Module, ModuleList
+from kiln.nn.recompute import RecomputedBlock
 from kiln.tensor import Tensor, arange
 
 
@@ -85,6 +86,9 @@ PRESETS = {
     "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     # The paper's Table 5: 2.42B parameters, head dim 128.
     "gpt2-2.4b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=20, n_head=24, n_embd=3072),
+    # The largest fp32 AdamW model on one H200 (§6.5's experiment there): Table 5's width, 92 layers, 10.58B
+    # parameters; PyTorch stops at 76 (8.77B). Trained with AdamW in backward (train.config.RECIPES).
+    "gpt2-largest": GPTConfig(vocab_size=50304, block_size=1024, n_layer=92, n_head=24, n_embd=3072),
 }
 
 
@@ -164,6 +168,9 @@ class GPT(Module):
         # With targets, the LM head and the loss are one chunked op (F.lm_head_cross_entropy) and
         # forward returns no logits; False makes the [B, T, V] logits whole and returns them too.
         self.fused_lm_head = True
+        # The first recompute_blocks blocks keep only their inputs for backward and run their forward
+        # again there (kiln.nn.recompute): 48 of 384 MiB a block at d=3072 B2 T1024 fp32, one more forward.
+        self.recompute_blocks = 0
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, generator=generator)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, generator=generator)
         self.drop = Dropout(cfg.dropout)
@@ -192,9 +199,17 @@ class GPT(Module):
         # The residual stream x goes from block to block with h, its LayerNorm for the next
         # sublayer; the last block's add is fused with ln_f (its sum is not used: no gradient).
         blocks = list(self.h)
+        recompute = self.recompute_blocks if is_grad_enabled() and x.requires_grad else 0
+        if recompute and self.training and self.config.dropout > 0:
+            raise NotBuiltError(f"recompute_blocks {recompute} with dropout {self.config.dropout}: the recomputed "
+                                "forward would draw other masks (replaying the random stream is not built)")
         h = None
         for i, block in enumerate(blocks):
-            x, h = block(x, h, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f)
+            next_ln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f
+            if i < recompute:
+                x, h = RecomputedBlock.apply(x, h, block, next_ln)
+            else:
+                x, h = block(x, h, next_ln)
         x = h
         head = self.wte.weight if self.config.tie_weights else self.lm_head.weight
         if self.vocab_parallel is not None:  # logits of this rank's vocabulary shard, never gathered
