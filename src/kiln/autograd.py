@@ -315,6 +315,8 @@ def _run_graph(ready, pending, deps, owned, retain_graph) -> None:
                         slot[nr] = g
                         if fresh:
                             owned.add(id(g))
+                    elif id(slot[nr]) in owned and slot[nr].shape == g.shape and slot[nr].dtype == g.dtype:
+                        array_backend(g).add(slot[nr], g, out=slot[nr])  # nothing else holds it: in place
                     else:
                         owned.discard(id(slot[nr]))
                         slot[nr] = array_backend(g).add(slot[nr], g)  # a new array
