@@ -39,8 +39,8 @@ GIB = 2 ** 30
 # What one block keeps for backward, in [B, T, d] arrays (--saved-bytes measures it on the CPU): the
 # residual stream and LayerNorm output before each sublayer (4), q, k, v (3), the attention output (1),
 # the MLP's pre-activation and GELU output (4 + 4), plus the LSE and LayerNorm statistics (rows only);
-# with the GELU made again in backward (GPT.recompute_gelu) not its output: 12.
-PLAIN_BLOCK_UNITS = {False: 16, True: 12}  # by recompute_gelu
+# with the LayerNorm and GELU outputs made again in backward (GPT.recompute_norm_gelu): 10.
+PLAIN_BLOCK_UNITS = {False: 16, True: 10}  # by recompute_norm_gelu
 RECOMPUTED_BLOCK_UNITS = 2  # its two inputs, x and ln_1(x)
 RESERVE_BYTES = 3 * GIB  # the LM head's dweight (0.58 GiB), a block's backward temporaries, cuBLAS workspace
 
@@ -89,7 +89,7 @@ def saved_units(n_layer: int, recompute: int = 0, gelu: bool = False, d: int = 6
     from kiln.nn import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=64, block_size=t, n_layer=n_layer, n_head=4, n_embd=d))
     model.recompute_blocks = recompute
-    model.recompute_gelu = gelu
+    model.recompute_norm_gelu = gelu
     rng = np.random.default_rng(0)
     loss = model(kiln.tensor(rng.integers(0, 64, (b, t))), kiln.tensor(rng.integers(0, 64, (b, t))))[1]
     params = {id(p.data) for p in model.parameters()}
@@ -126,10 +126,10 @@ def saved_per_block() -> dict:
     """Units a plain block, one whose GELU is made again and a recomputed block keep: the difference
     between 3 and 2 blocks."""
     out = {}
-    for name, recompute, gelu in (("plain", False, False), ("gelu_recomputed", False, True), ("recomputed", True, False)):
+    for name, recompute, gelu in (("plain", False, False), ("norm_gelu_recomputed", False, True), ("recomputed", True, False)):
         two, three = (sum(saved_units(n, n if recompute else 0, gelu).values()) for n in (2, 3))
         out[name] = three - two
-    for name, gelu in (("plain_by_op", False), ("gelu_recomputed_by_op", True)):
+    for name, gelu in (("plain_by_op", False), ("norm_gelu_recomputed_by_op", True)):
         out[name] = {k: v - saved_units(2, 0, gelu).get(k, 0.0) for k, v in saved_units(3, 0, gelu).items()}
     return out
 
@@ -153,7 +153,7 @@ def run_kiln(args) -> dict:
     model.to(dev)
     apply_precision(model, "fp32", dev)
     model.recompute_blocks = args.recompute_blocks
-    model.recompute_gelu = args.recompute_gelu == "on"
+    model.recompute_norm_gelu = args.recompute_norm_gelu == "on"
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, in_backward=True)
     max_norm = 1.0 if args.clip == "on" else None
     batches = [(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev)) for x, y in _tokens(args.steps)]
@@ -241,7 +241,7 @@ def worker(args) -> dict:
     tokens_per_s = B * T * timed / r["elapsed"]
     return {"framework": args.framework, "n_layer": args.n_layer, "clip": args.clip, "params": params,
             "recompute_blocks": args.recompute_blocks if args.framework == "kiln" else None,
-            "recompute_gelu": args.recompute_gelu if args.framework == "kiln" else None,
+            "recompute_norm_gelu": args.recompute_norm_gelu if args.framework == "kiln" else None,
             "tokens_per_s": tokens_per_s, "step_s": r["elapsed"] / timed, "tokens_x_params": tokens_per_s * params,
             "peak_allocated_gib": r["peak_bytes"] / GIB,
             "peak_reserved_gib": None if r["peak_reserved_bytes"] is None else r["peak_reserved_bytes"] / GIB,
@@ -260,18 +260,18 @@ def cases(args, total: int) -> list[dict]:
     out = []
     for fw in ["torch-eager"] + (["torch-compile"] if args.torch_compile else []):
         for n in args.torch_layers:
-            out.append({"framework": fw, "n_layer": n, "clip": "on", "recompute_blocks": 0, "recompute_gelu": "off"})
-    gelu = args.recompute_gelu == "on"
+            out.append({"framework": fw, "n_layer": n, "clip": "on", "recompute_blocks": 0, "recompute_norm_gelu": "off"})
+    gelu = args.recompute_norm_gelu == "on"
     for n in args.kiln_layers:
         k = args.recompute_blocks if args.recompute_blocks is not None else recompute_plan(n, total, gelu)
         for clip in args.clip:
             out.append({"framework": "kiln", "n_layer": n, "clip": clip, "recompute_blocks": k,
-                        "recompute_gelu": args.recompute_gelu})
+                        "recompute_norm_gelu": args.recompute_norm_gelu})
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| framework | layers | params | clip | recomputed blocks, GELU | tokens/s | step s | peak GiB (allocated) "
+    lines = ["| framework | layers | params | clip | recomputed blocks, norm/GELU | tokens/s | step s | peak GiB (allocated) "
              "| predicted GiB | tokens/s x params vs PyTorch | predicted |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -279,7 +279,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['framework']} | {r['n_layer']} | | {r['clip']} | {r.get('recompute_blocks', '')} "
                          f"| {r['error'].splitlines()[-1][:120] if r['error'] else 'failed'} | | | | | |")
             continue
-        redo = "" if r["recompute_blocks"] is None else f"{r['recompute_blocks']}, {r['recompute_gelu']}"
+        redo = "" if r["recompute_blocks"] is None else f"{r['recompute_blocks']}, {r['recompute_norm_gelu']}"
         lines.append(f"| {r['framework']} | {r['n_layer']} | {r['params'] / 1e9:.2f}B | {r['clip']} | {redo} "
                      f"| {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | {r['peak_allocated_gib']:.1f} "
                      f"| {r.get('predicted_gib', float('nan')):.1f} | {r.get('product_vs_torch', float('nan')):.3f} "
@@ -294,8 +294,9 @@ def main() -> None:
     ap.add_argument("--clip", default="off,on", help="kiln with the clip off, on, or both (PyTorch always clips)")
     ap.add_argument("--recompute-blocks", type=int,
                     help="kiln's recomputed blocks at every layer count (default: the fewest that fit, per layer count)")
-    ap.add_argument("--recompute-gelu", default="on", choices=("on", "off"),
-                    help="kiln's MLPs make their GELU again in backward (default on: 12 saved activations a block, not 16)")
+    ap.add_argument("--recompute-norm-gelu", default="on", choices=("on", "off"),
+                    help="kiln's blocks make their LayerNorm and GELU outputs again in backward (default on: 10 saved "
+                         "activations a block, not 16)")
     ap.add_argument("--torch-compile", action="store_true", help="add torch.compile(model) (minutes to compile)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -322,17 +323,17 @@ def main() -> None:
     args.kiln_layers = [int(n) for n in args.kiln_layers.split(",") if n]
     args.clip = args.clip.split(",")
     total = device_bytes()
-    print(f"device memory {total / GIB:.1f} GiB; a plain block keeps {PLAIN_BLOCK_UNITS[args.recompute_gelu == 'on']} x "
+    print(f"device memory {total / GIB:.1f} GiB; a plain block keeps {PLAIN_BLOCK_UNITS[args.recompute_norm_gelu == 'on']} x "
           f"{unit_bytes() / 2**20:.0f} MiB, a recomputed one {RECOMPUTED_BLOCK_UNITS}", flush=True)
     rows, todo, retries = [], cases(args, total), 0
     while todo:
         case = todo.pop(0)
         cmd = [sys.executable, __file__, "--framework", case["framework"], "--n-layer-one", str(case["n_layer"]),
                "--clip", case["clip"], "--recompute-blocks", str(case["recompute_blocks"]),
-               "--recompute-gelu", case["recompute_gelu"],
+               "--recompute-norm-gelu", case["recompute_norm_gelu"],
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
         label = (f"{case['framework']} {case['n_layer']} layers clip {case['clip']} recompute {case['recompute_blocks']} "
-                 f"blocks, gelu {case['recompute_gelu']}")
+                 f"blocks, norm/gelu {case['recompute_norm_gelu']}")
         print(f"{label}: running", flush=True)
         t0 = time.time()
         try:
@@ -354,7 +355,7 @@ def main() -> None:
         r = json.loads(line[0][7:])
         r["wall_s"] = time.time() - t0
         if r["framework"] == "kiln":
-            r["predicted_gib"] = predicted_bytes(r["n_layer"], r["recompute_blocks"], r["recompute_gelu"] == "on") / GIB
+            r["predicted_gib"] = predicted_bytes(r["n_layer"], r["recompute_blocks"], r["recompute_norm_gelu"] == "on") / GIB
         rows.append(r)
         print(f"{label}: {r['tokens_per_s']:.0f} tok/s, {r['peak_allocated_gib']:.1f} GiB, {r['params'] / 1e9:.2f}B "
               f"params, loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} ({r['wall_s']:.0f} s)", flush=True)

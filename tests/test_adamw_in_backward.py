@@ -102,15 +102,16 @@ def test_misuse_is_a_clear_error():
         plain.backward_step(model(x, y)[1])
 
 
-@pytest.mark.parametrize("recompute, gelu", [(1, False), (2, False), (0, True), (1, True)])
+@pytest.mark.parametrize("recompute, norm_gelu", [(1, False), (2, False), (0, True), (1, True)])
 @pytest.mark.parametrize("max_norm", [None, 0.05])
-def test_recomputed_blocks_and_gelus_give_the_same_training_bit_for_bit(recompute, gelu, max_norm):
+def test_recomputed_blocks_norms_and_gelus_give_the_same_training_bit_for_bit(recompute, norm_gelu, max_norm):
     """Blocks that keep only their inputs and run their forward again in backward (GPT.recompute_blocks),
-    and MLPs that make their GELU again (GPT.recompute_gelu), train exactly as the plain graph on the CPU,
+    and blocks that make their LayerNorm and GELU outputs again (GPT.recompute_norm_gelu), train exactly as
+    the plain graph on the CPU,
     with AdamW in backward and its two passes too."""
     plain, redone = tiny_gpt("float32"), tiny_gpt("float32")
     redone.recompute_blocks = recompute
-    redone.recompute_gelu = gelu
+    redone.recompute_norm_gelu = norm_gelu
     opt, opt_redone = adamw(plain, True), adamw(redone, True)
     for x, y in batches(3):
         loss, loss_redone = plain(x, y)[1], redone(x, y)[1]

@@ -148,7 +148,7 @@ def test_adamw_in_backward_trains_as_the_ordinary_step_bit_for_bit(tmp_path):
                   sample_tokens=0, progress=False, out_dir=str(tmp_path), model_overrides={"n_layer": 2})
     plain = Trainer(TrainConfig(**common, run_name="plain"))
     inside = Trainer(TrainConfig(**common, run_name="inside", adamw_in_backward=True, recompute_blocks=1,
-                                        recompute_gelu=True))
+                                        recompute_norm_gelu=True))
     rows = [plain.train_step() for _ in range(5)]
     rows_in = [inside.train_step() for _ in range(5)]
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in rows_in]
@@ -171,7 +171,7 @@ def test_adamw_in_backward_says_what_it_cannot_combine_with(settings, message):
 
 def test_the_largest_preset_updates_in_backward_in_one_micro_batch():
     cfg = TrainConfig(model="gpt2-largest")
-    assert cfg.adamw_in_backward and cfg.recompute_gelu and cfg.recompute_blocks == 32 and cfg.global_batch is None
+    assert cfg.adamw_in_backward and cfg.recompute_norm_gelu and cfg.recompute_blocks == 16 and cfg.global_batch is None
     assert cfg.batch_size == 2 and cfg.grad_accum == 1 and cfg.grad_clip == 1.0
     cfg.validate()
     from kiln.nn import preset

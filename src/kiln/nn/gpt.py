@@ -112,10 +112,11 @@ class CausalSelfAttention(Module):
         # the parallel strategy; None: this rank holds the whole sequence.
         self.context = None
 
-    def forward(self, x):
+    def forward(self, x, norm=None):
+        """norm: (s, ln) with x = ln(s): c_attn keeps s, not x, for its backward (Block.recompute_norm_gelu)."""
         # q, k, v stay packed in c_attn's [B, T, 3C] output: the attention kernels read them (and
         # write their gradients) in place, and return [B, T, C] with the heads side by side
-        qkv = self.c_attn(x)
+        qkv = self.c_attn(x) if norm is None else self.c_attn.forward_of_norm(x, *norm)
         if self.context is None:
             y = F.causal_self_attention(qkv, self.n_head)
         else:
@@ -130,13 +131,12 @@ class MLP(Module):
         self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, generator=generator)
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
         self.dropout = Dropout(cfg.dropout)
-        # True: c_fc's output (the pre-activation) is kept and c_proj's backward makes its GELU again,
-        # instead of keeping both (96 MiB a block fewer at d=3072 B2 T1024 fp32; GPT.recompute_gelu)
-        self.recompute_gelu = False
 
-    def forward(self, x):
-        if self.recompute_gelu:
-            return self.dropout(self.c_proj.forward_of_gelu(self.c_fc(x)))
+    def forward(self, x, norm=None):
+        """norm: (s, ln) with x = ln(s): keep s and the pre-activation only, and make x and the GELU
+        again in backward (Block.recompute_norm_gelu); None: keep x, the pre-activation and the GELU."""
+        if norm is not None:
+            return self.dropout(self.c_proj.forward_of_gelu(self.c_fc.forward_of_norm(x, *norm)))
         return self.dropout(self.c_proj(self.c_fc.forward_gelu(x)))
 
 
@@ -147,6 +147,10 @@ class Block(Module):
         self.attn = CausalSelfAttention(cfg, generator)
         self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg, generator)
+        # True: the LayerNorm outputs (c_attn's and c_fc's inputs) and the GELU output are made again in
+        # backward from what the block keeps anyway (the residual, the pre-activation): 10 of its 16
+        # saved [B, T, C] arrays, for a LayerNorm forward of two rows and a GELU (GPT.recompute_norm_gelu)
+        self.recompute_norm_gelu = False
 
     def forward(self, x, h=None, next_ln=None):
         """x + attn(ln_1(x)), then + mlp(ln_2(.)): block(x) alone returns the new residual stream.
@@ -156,8 +160,9 @@ class Block(Module):
         (the next block's ln_1, or the model's ln_f) the block returns (x', next_ln(x'))."""
         if h is None:
             h = self.ln_1(x)
-        x, h = self.ln_2.add_forward(x, self.attn(h))
-        m = self.mlp(h)
+        short = self.recompute_norm_gelu
+        x, h = self.ln_2.add_forward(x, self.attn(h, (x, self.ln_1) if short else None))
+        m = self.mlp(h, (x, self.ln_2) if short else None)
         if next_ln is None:
             return x + m
         return next_ln.add_forward(x, m)
@@ -188,15 +193,15 @@ class GPT(Module):
         self.vocab_parallel = None
 
     @property
-    def recompute_gelu(self) -> bool:
-        """Whether every block's MLP keeps only its pre-activation and makes the GELU again in backward
-        (MLP.recompute_gelu: 4 of a block's 16 saved [B, T, C] arrays fewer, one elementwise pass more)."""
-        return all(block.mlp.recompute_gelu for block in self.h)
+    def recompute_norm_gelu(self) -> bool:
+        """Whether every block makes its LayerNorm and GELU outputs again in backward instead of keeping
+        them (Block.recompute_norm_gelu: 10 of a block's 16 saved [B, T, C] arrays; a few row passes more)."""
+        return all(block.recompute_norm_gelu for block in self.h)
 
-    @recompute_gelu.setter
-    def recompute_gelu(self, value: bool) -> None:
+    @recompute_norm_gelu.setter
+    def recompute_norm_gelu(self, value: bool) -> None:
         for block in self.h:
-            block.mlp.recompute_gelu = bool(value)
+            block.recompute_norm_gelu = bool(value)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, pos: Tensor | None = None):
         """(logits [B, T, V], loss or None) for token ids idx [B, T]; with targets and the fused LM

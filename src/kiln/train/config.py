@@ -58,7 +58,7 @@ class TrainConfig:
     tp_chunks: int = 1                       # async TP: each row-parallel all-reduce in N chunks, overlapping GEMMs
     adamw_in_backward: bool | None = None    # update each parameter inside backward, keep no gradients (kiln.optim.adamw)
     recompute_blocks: int | None = None      # the first N blocks keep only their inputs; backward recomputes the rest
-    recompute_gelu: bool | None = None       # each MLP keeps its pre-activation only; backward makes the GELU again
+    recompute_norm_gelu: bool | None = None  # backward makes the LayerNorm and GELU outputs again instead of keeping them
 
     def __post_init__(self):
         """Fill every training setting left None from the model preset's recipe (flags override it)."""
@@ -122,8 +122,8 @@ class TrainConfig:
         if not isinstance(self.recompute_blocks, int) or isinstance(self.recompute_blocks, bool) \
                 or self.recompute_blocks < 0:
             raise ConfigError(f"recompute_blocks must be an integer >= 0, got {self.recompute_blocks!r}")
-        if not isinstance(self.recompute_gelu, bool):
-            raise ConfigError(f"recompute_gelu must be true or false, got {self.recompute_gelu!r}")
+        if not isinstance(self.recompute_norm_gelu, bool):
+            raise ConfigError(f"recompute_norm_gelu must be true or false, got {self.recompute_norm_gelu!r}")
         if self.adamw_in_backward:
             self._check_in_backward()
 
@@ -162,22 +162,23 @@ def apply_precision(model, precision: str, device) -> None:
 
 _TABLE_1 = dict(lr=6e-4, min_lr=6e-5, warmup_steps=715, max_steps=19_073, global_batch=524_288,
                 weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False, recompute_blocks=0,
-                recompute_gelu=False)
+                recompute_norm_gelu=False)
 RECIPES = {  # each preset's training recipe: what TrainConfig's None settings become
     # the CPU default: the bundled corpus in about two minutes on two cores
     "tiny": dict(batch_size=16, max_steps=1200, lr=2e-3, min_lr=2e-4, warmup_steps=40, global_batch=None,
                  weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False, recompute_blocks=0,
-                recompute_gelu=False),
+                recompute_norm_gelu=False),
     # the paper's Table 1 (GPT-2 124M): 524,288 tokens a step through accumulation, 19,073 steps
     "gpt2-124m": dict(batch_size=16, **_TABLE_1),
     # Table 5 gives B=2 and the same 524,288-token global batch; its optimizer settings are Table 1's
     "gpt2-2.4b": dict(batch_size=2, **_TABLE_1),
     # §6.5 on an H200: 10.58B parameters in fp32 at B2 T1024, one micro-batch a step (accumulation keeps
     # gradients), AdamW inside backward (12 bytes a parameter: 118.2 GiB), Table 1's optimizer and an exact
-    # clip (a second backward); activations: the MLPs make their GELU again (288 MiB a block, not 384)
-    # and the first 32 of 92 blocks are recomputed (48 MiB each): 18.4 GiB (benchmarks/largest_model.py)
+    # clip (a second backward); activations: the blocks make their LayerNorm and GELU outputs again (240
+    # MiB a block, not 384) and the first 16 of 92 are recomputed (48 MiB each): 18.6 GiB
+    # (benchmarks/largest_model.py)
     "gpt2-largest": dict(batch_size=2, **{**_TABLE_1, "global_batch": None, "adamw_in_backward": True,
-                                          "recompute_blocks": 32, "recompute_gelu": True}),
+                                          "recompute_blocks": 16, "recompute_norm_gelu": True}),
 }
 
 
@@ -224,4 +225,4 @@ RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "k
                     "batch_size",  # with another number of ranks: batch_size x ranks stays the loader's step
                     "tp", "cp", "cp_transport", "tp_chunks",  # a tp/cp run's checkpoints are the dense model's
                     "async_checkpoint", "eval_interval", "sample_tokens",
-                    "adamw_in_backward", "recompute_blocks", "recompute_gelu")  # the same state, less memory
+                    "adamw_in_backward", "recompute_blocks", "recompute_norm_gelu")  # the same state, less memory

@@ -140,7 +140,7 @@ class Trainer:
         self.dense_model = self.model  # what rank 0 writes and samples from (tp/cp: gathered at the end)
 
         self.model.recompute_blocks = config.recompute_blocks
-        self.model.recompute_gelu = config.recompute_gelu
+        self.model.recompute_norm_gelu = config.recompute_norm_gelu
 
         def adamw(model):
             return AdamW(gpt_param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
