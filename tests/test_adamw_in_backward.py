@@ -140,3 +140,45 @@ def test_a_recomputed_block_keeps_only_its_inputs():
     blocks = [n for n in nodes if isinstance(n, RecomputedBlock)]
     assert len(blocks) == 2
     assert [sum(a is not None for a in n.saved) for n in blocks] in ([2, 1], [1, 2])  # block 0 has no h
+
+
+# --- on the GPU ---------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("dtypes", [("float32",), ("float32", "bfloat16")])
+def test_cuda_norm_parts_added_in_any_order_are_grad_norm_bit_for_bit(dtypes):
+    from kiln.backend import cuda as backend
+    rng = np.random.default_rng()
+    sizes = [70_000, 3, 16_384, 1_000_001, 257]
+    grads = [kiln.tensor(rng.standard_normal(n), dtype=dtypes[i % len(dtypes)], device="cuda").data
+             for i, n in enumerate(sizes)]
+    parts = backend.grad_norm_parts(grads)
+    for i in rng.permutation(len(grads)):
+        parts.add(int(i), grads[i])
+    assert parts.norm().get().tobytes() == backend.grad_norm(grads).get().tobytes()
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+@pytest.mark.parametrize("recompute, norm_gelu", [(0, False), (1, True)])
+def test_cuda_in_backward_step_equals_backward_clip_step_bit_for_bit(max_norm, recompute, norm_gelu):
+    models = [tiny_gpt("float32").to("cuda") for _ in range(2)]
+    for m in models:
+        m.recompute_blocks, m.recompute_norm_gelu = recompute, norm_gelu
+    ordinary, inside = models
+    opt, opt_in = adamw(ordinary, False), adamw(inside, True)
+    for x, y in batches(3):
+        x, y = x.to("cuda"), y.to("cuda")
+        opt.zero_grad()
+        ordinary(x, y)[1].backward()
+        norm = opt.clip_grad_norm_(max_norm) if max_norm is not None else None
+        opt.step()
+        norm_in = opt_in.backward_step(inside(x, y)[1], max_norm)
+        if max_norm is not None:
+            assert norm_in.numpy().tobytes() == norm.numpy().tobytes()
+    for (name, a), b in zip(ordinary.named_parameters(), inside.parameters()):
+        assert a.numpy().tobytes() == b.numpy().tobytes(), name

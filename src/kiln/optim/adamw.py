@@ -62,7 +62,7 @@ class AdamW:
         self._clip = None  # (norm device array, max_norm) for the next step, from clip_grad_norm_
         self.in_backward = in_backward
         self._pass = None  # inside backward_step: "norm" (the clip's first pass) or "update"
-        self._sumsqs: list = []  # the norm pass's sum of squares per parameter (None: no gradient)
+        self._norm_parts = None  # the clip's first pass: the gradients' squares, as they come (backend.grad_norm_parts)
         if in_backward:
             self._position = {}  # id(param) -> (its index in self.params, its group)
             for g in self.param_groups:
@@ -158,8 +158,8 @@ class AdamW:
         """backward of loss with every parameter updated as its gradient is final (in_backward=True);
         returns the gradient's global norm (a 0-d device tensor, not synced) when max_norm clips it.
 
-        With max_norm, the first backward (retain_graph) only adds up each gradient's sum of squares,
-        in parameter order as grad_norm does, and drops the gradient; the second updates each
+        With max_norm, the first backward (retain_graph) only adds up each gradient's sum of squares
+        (backend.grad_norm_parts: grad_norm's sum, bit for bit) and drops the gradient; the second updates each
         parameter with torch's coefficient min(1, max_norm / (norm + 1e-6)). Without, one backward."""
         if not self.in_backward:
             raise ConfigError("backward_step needs AdamW(..., in_backward=True); this AdamW keeps gradients: "
@@ -177,14 +177,13 @@ class AdamW:
             self._allocate()
         norm = None
         if max_norm is not None:
-            self._sumsqs = [None] * len(self._position)
-            self._run_pass("norm", loss, retain_graph=True)
-            terms = [s for s in self._sumsqs if s is not None]
-            if not terms:
-                raise KilnError("backward_step found no gradients: nothing in loss depends on the parameters")
-            params = [p for p, s in zip(self.params, self._sumsqs) if s is not None]
-            dtype = "float64" if all(p.dtype.name == "float64" for p in params) else "float32"
-            norm = params[0].backend.norm_of_sumsqs(terms, dtype)
+            params = self.params
+            self._norm_parts = params[0].backend.grad_norm_parts([p.data for p in params])
+            try:
+                self._run_pass("norm", loss, retain_graph=True)
+                norm = self._norm_parts.norm()
+            finally:
+                self._norm_parts = None
             self._clip = (norm, float(max_norm))
         self.step_count += 1
         try:
@@ -208,7 +207,7 @@ class AdamW:
         i, group = self._position[id(p)]
         grad, p.grad = p.grad, None  # nothing else holds it: freed when this returns
         if self._pass == "norm":
-            self._sumsqs[i] = p.backend.grad_sumsq(grad.data)
+            self._norm_parts.add(i, grad.data)
             return
         exp_avgs, exp_avg_sqs = self._moments
         clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
