@@ -156,6 +156,12 @@ def run_kiln(args) -> dict:
     model.recompute_norm_gelu = args.recompute_norm_gelu == "on"
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, in_backward=True)
     max_norm = 1.0 if args.clip == "on" else None
+
+    def step(x, y):  # the Trainer's step with AdamW in backward; the graph goes when it returns
+        loss = model(x, y)[1]
+        opt.backward_step(loss, max_norm)
+        return loss.detach()
+
     batches = [(kiln.tensor(x, device=dev), kiln.tensor(y, device=dev)) for x, y in _tokens(args.steps)]
     losses, t0 = [], None
     for i, (x, y) in enumerate(batches):
@@ -164,9 +170,7 @@ def run_kiln(args) -> dict:
         if i == args.warmup:
             backend.synchronize()
             t0 = time.perf_counter()
-        loss = model(x, y)[1]
-        opt.backward_step(loss, max_norm)
-        losses.append(loss.detach())
+        losses.append(step(x, y))
         print(f"  step {i + 1}/{args.steps}", flush=True)
     backend.synchronize()
     elapsed = time.perf_counter() - t0
