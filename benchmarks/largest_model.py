@@ -42,7 +42,7 @@ GIB = 2 ** 30
 # with the LayerNorm and GELU outputs made again in backward (GPT.recompute_norm_gelu): 10.
 PLAIN_BLOCK_UNITS = {False: 16, True: 10}  # by recompute_norm_gelu
 RECOMPUTED_BLOCK_UNITS = 2  # its two inputs, x and ln_1(x)
-RESERVE_BYTES = 3 * GIB  # the LM head's dweight (0.58 GiB), a block's backward temporaries, cuBLAS workspace
+RESERVE_BYTES = 3.5 * GIB  # the LM head's dweight and its copy (2 x 0.58 GiB), a block's backward temporaries, the CUDA context
 
 
 def config(n_layer: int):
