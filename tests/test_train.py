@@ -174,6 +174,7 @@ def test_the_largest_preset_updates_in_backward_in_one_micro_batch():
     assert cfg.adamw_in_backward and cfg.recompute_norm_gelu and cfg.recompute_blocks == 16 and cfg.global_batch is None
     assert cfg.batch_size == 2 and cfg.grad_accum == 1 and cfg.grad_clip == 1.0
     cfg.validate()
+    assert "AdamW inside backward" in cfg.describe_recipe() and "first 16 blocks recomputed" in cfg.describe_recipe()
     from kiln.nn import preset
     shapes = preset("gpt2-largest", vocab_size=50304).parameter_shapes()
     assert 10.5e9 < sum(int(np.prod(s)) for s in shapes.values()) < 10.6e9

@@ -76,8 +76,13 @@ class TrainConfig:
     def describe_recipe(self) -> str:
         """The optimizer schedule this run uses, in one line (the preset's recipe, as flags changed it)."""
         batch = f"{self.global_batch:,} tokens a step" if self.global_batch else f"{self.grad_accum} micro-batch(es) a step"
+        memory = "".join([", AdamW inside backward (no gradients kept" +
+                          ("; the exact clip's second backward)" if self.grad_clip > 0 else ")")
+                          if self.adamw_in_backward else "",
+                          ", LayerNorm and GELU outputs recomputed" if self.recompute_norm_gelu else "",
+                          f", the first {self.recompute_blocks} blocks recomputed" if self.recompute_blocks else ""])
         return (f"lr {self.lr:g} -> {self.min_lr:g} (cosine), {self.warmup_steps} warm-up steps, {self.max_steps} "
-                f"steps, {batch}, weight decay {self.weight_decay:g}, betas {self.betas}, clip {self.grad_clip:g}")
+                f"steps, {batch}, weight decay {self.weight_decay:g}, betas {self.betas}, clip {self.grad_clip:g}{memory}")
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
