@@ -60,3 +60,23 @@ def test_one_small_case_runs_on_the_cpu(monkeypatch, framework, clip):
     r = lm.worker(args)
     assert r["params"] == lm.n_params(3) and r["tokens_per_s"] > 0 and len(r["losses"]) == 3
     assert all(abs(v - math.log(64)) < 0.3 for v in r["losses"])  # random tokens: about log V from the start
+
+
+def test_the_cases_and_the_table():
+    lm = load()
+    args = argparse.Namespace(torch_layers=[76], kiln_layers=[76, 92], clip=["off", "on"], recompute_blocks=None,
+                              recompute_norm_gelu="on", torch_compile=False)
+    cases = lm.cases(args, 143_771 * 2 ** 20)
+    assert [(c["framework"], c["n_layer"], c["clip"], c["recompute_blocks"]) for c in cases] == [
+        ("torch-eager", 76, "on", 0), ("kiln", 76, "off", 0), ("kiln", 76, "on", 0),
+        ("kiln", 92, "off", 16), ("kiln", 92, "on", 16)]
+    done = {"framework": "kiln", "n_layer": 92, "clip": "off", "recompute_blocks": 16, "recompute_norm_gelu": "on",
+            "params": lm.n_params(92), "tokens_per_s": 640.0, "step_s": 3.2, "peak_allocated_gib": 137.0,
+            "predicted_gib": 139.9, "product_vs_torch": 0.93, "predicted_product_vs_torch": 0.945}
+    torch_row = {"framework": "torch-eager", "n_layer": 76, "clip": "on", "recompute_blocks": None,
+                 "recompute_norm_gelu": None, "params": lm.n_params(76), "tokens_per_s": 839.0, "step_s": 2.44,
+                 "peak_allocated_gib": 131.9, "product_vs_torch": 1.0}
+    failed = {**cases[-1], "error": "Traceback ...\nMemoryError: out of memory"}
+    text = lm.table([torch_row, done, failed])
+    assert "| kiln | 92 | 10.58B | off | 16, on | 640 | 3.20 | 137.0 | 139.9 | 0.930 | 0.945 |" in text
+    assert "MemoryError: out of memory" in text and text.count("\n") == 4
