@@ -18,7 +18,9 @@
 # (issue 16's CUDA tests: recovery bit for bit, NCCL abort through the store, NVML and NUMA pinning),
 # overlap (a DDP step's bucket collectives against backward, traced), ceilings (GEMM and copy, measured afresh),
 # capture76 (issue 14: the 76-layer fp32 step captured as one graph, every allocation logged to
-# capture76-trace.json and replayed through the allocator on the CPU at the device's free bytes).
+# capture76-trace.json and replayed through the allocator on the CPU at the device's free bytes),
+# largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off
+# and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -67,6 +69,9 @@ for p in "$@"; do
                    free=$(grep -o 'capacity [0-9]*' "$LOGS/graph_capture_size-76.log" | head -1 | cut -d' ' -f2)
                    part allocator-replay-76 120 python3 benchmarks/allocator_trace.py \
                        --replay "$LOGS/capture76-trace.json" --capacity "${free:-150.7e9}" ;;
+        largest) part largest_model 570 python3 benchmarks/largest_model.py ;;
+        largest-tests) part largest-tests 200 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                           tests/test_adamw_in_backward.py ;;
         *) echo "unknown part $p" ;;
     esac
 done

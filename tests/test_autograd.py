@@ -151,3 +151,29 @@ def test_a_missing_output_gradient_is_zeros_or_none(materialize):
     else:
         assert ga is None
     np.testing.assert_array_equal(x.grad.numpy(), np.full(3, 3.0))
+
+
+def test_two_fresh_gradients_of_one_tensor_are_summed_in_place():
+    """A tensor used twice gets the sum of two gradients; when the first is a fresh array nothing else
+    holds (an op with fresh_grads), the second is added into it: no third array (a tied embedding's
+    gradient at the LM head's size)."""
+    from kiln.autograd import Function
+
+    made = []
+
+    class Twice(Function):
+        fresh_grads = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.data * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            made.append(g * 2.0)
+            return made[-1]
+
+    x = kiln.randn(4, dtype="float64", requires_grad=True)
+    (Twice.apply(x) + Twice.apply(x) * 3.0).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(4, 8.0))
+    assert len(made) == 2 and (x.grad.data is made[0] or x.grad.data is made[1])

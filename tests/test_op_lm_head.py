@@ -95,11 +95,16 @@ def test_bad_inputs_are_clear_errors():
         F.lm_head_cross_entropy(kiln.tensor(x), kiln.tensor(w), kiln.tensor(np.full(len(t), 99)))
 
 
-def test_a_second_backward_is_a_clear_error():
+def test_a_retained_graph_gives_the_same_gradients_again_and_then_a_clear_error():
     x, w, t = problem(np.random.default_rng())
-    xt = kiln.tensor(x).requires_grad_()
-    loss = F.lm_head_cross_entropy(xt, kiln.tensor(w), kiln.tensor(t))
+    xt, wt = kiln.tensor(x).requires_grad_(), kiln.tensor(w).requires_grad_()
+    loss = F.lm_head_cross_entropy(xt, wt, kiln.tensor(t))
     loss.backward(retain_graph=True)
+    first = (xt.grad.numpy().copy(), wt.grad.numpy().copy())
+    xt.grad = wt.grad = None
+    loss.backward()
+    np.testing.assert_array_equal(xt.grad.numpy(), first[0])
+    np.testing.assert_array_equal(wt.grad.numpy(), first[1])
     with pytest.raises(AutogradError, match="a second time"):
         loss.backward()
 

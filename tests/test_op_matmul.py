@@ -43,3 +43,35 @@ def test_linear_gelu_is_gelu_of_linear_and_its_backward_checks():
     gradcheck(F.linear_gelu, randn(3, 5), randn(4, 5), randn(4))
     with pytest.raises(ShapeError, match="linear_gelu"):
         F.linear_gelu(kiln.randn(2, 5), kiln.randn(4, 5), kiln.randn(3))
+
+
+def test_norm_linear_is_linear_of_the_norm_keeps_the_normed_input_and_its_backward_checks():
+    s, lw, lb, w, b = randn(2, 3, 5), randn(5), randn(5), randn(4, 5), randn(4)
+    ks, klw, klb, kw, kb = (kiln.tensor(a, requires_grad=True) for a in (s, lw, lb, w, b))
+    x = F.layer_norm(ks, klw, klb)
+    fused = F.norm_linear(x, kw, kb, ks, klw, klb)
+    assert np.array_equal(fused.numpy(), F.linear(x, kw, kb).numpy())
+    saved = [item[0] for item in fused.grad_fn._saved if item is not None]
+    assert not any(a is x.data for a in saved) and any(a is ks.data for a in saved)  # s, not x
+
+    def normed(s, w, b, lw, lb):
+        return F.norm_linear(F.layer_norm(s, lw, lb), w, b, s, lw, lb)
+    gradcheck(normed, s, w, b, lw, lb)
+    gradcheck(lambda s, w, lw: F.norm_linear(F.layer_norm(s, lw), w, None, s, lw), randn(3, 5), randn(4, 5), randn(5))
+    with pytest.raises(ShapeError, match="norm_linear"):
+        F.norm_linear(x, kw, kb, ks[0], klw, klb)
+
+
+def test_gelu_linear_is_linear_of_gelu_keeps_only_its_input_and_its_backward_checks():
+    pre, w, b = randn(2, 3, 5), randn(4, 5), randn(4)
+    kp, kw, kb = (kiln.tensor(a, requires_grad=True) for a in (pre, w, b))
+    fused = F.gelu_linear(kp, kw, kb)
+    ref = F.linear(F.gelu(kiln.tensor(pre)), kiln.tensor(w), kiln.tensor(b))
+    assert fused.shape == (2, 3, 4)
+    assert np.array_equal(fused.numpy(), ref.numpy())
+    saved = [item[0] for item in fused.grad_fn._saved]
+    assert len(saved) == 2 and saved[0] is kp.data and saved[1] is kw.data  # pre and the weight, no gelu(pre)
+    gradcheck(F.gelu_linear, randn(3, 5), randn(4, 5), randn(4))
+    gradcheck(F.gelu_linear, randn(3, 5), randn(4, 5))
+    with pytest.raises(ShapeError, match="gelu_linear"):
+        F.gelu_linear(kiln.randn(2, 5), kiln.randn(4, 5), kiln.randn(3))

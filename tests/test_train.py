@@ -139,3 +139,42 @@ def test_undoing_a_step_recasts_the_kept_bf16_weight_copies(tmp_path):
     for p in kept:
         assert p.kept.version == p.version
         assert np.array_equal(p.kept.data.view(np.uint16), p.numpy().astype(p.kept.dtype.np).view(np.uint16))
+
+
+def test_adamw_in_backward_trains_as_the_ordinary_step_bit_for_bit(tmp_path):
+    """The Trainer with AdamW in backward (and recomputed blocks) logs the same losses and grad norms and
+    ends with the same weights as the ordinary step (backward, clip, step), on the CPU in fp32."""
+    common = dict(model="tiny", device="cpu", max_steps=5, batch_size=2, eval_interval=5, eval_iters=1,
+                  sample_tokens=0, progress=False, out_dir=str(tmp_path), model_overrides={"n_layer": 2})
+    plain = Trainer(TrainConfig(**common, run_name="plain"))
+    inside = Trainer(TrainConfig(**common, run_name="inside", adamw_in_backward=True, recompute_blocks=1,
+                                        recompute_norm_gelu=True))
+    rows = [plain.train_step() for _ in range(5)]
+    rows_in = [inside.train_step() for _ in range(5)]
+    assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in rows_in]
+    for a, b in zip(plain.model.parameters(), inside.model.parameters()):
+        assert a.numpy().tobytes() == b.numpy().tobytes()
+    assert all(p.grad is None for p in inside.model.parameters())
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(grad_accum=2), "gradient accumulation"),
+    (dict(global_batch=4096), "gradient accumulation"),
+    (dict(parallel="ddp"), "one device"),
+    (dict(tp=2), "one device"),
+])
+def test_adamw_in_backward_says_what_it_cannot_combine_with(settings, message):
+    from kiln.errors import NotBuiltError
+    with pytest.raises(NotBuiltError, match=message):
+        TrainConfig(device="cpu", adamw_in_backward=True, **settings).validate()
+
+
+def test_the_largest_preset_updates_in_backward_in_one_micro_batch():
+    cfg = TrainConfig(model="gpt2-largest")
+    assert cfg.adamw_in_backward and cfg.recompute_norm_gelu and cfg.recompute_blocks == 16 and cfg.global_batch is None
+    assert cfg.batch_size == 2 and cfg.grad_accum == 1 and cfg.grad_clip == 1.0
+    cfg.validate()
+    assert "AdamW inside backward" in cfg.describe_recipe() and "first 16 blocks recomputed" in cfg.describe_recipe()
+    from kiln.nn import preset
+    shapes = preset("gpt2-largest", vocab_size=50304).parameter_shapes()
+    assert 10.5e9 < sum(int(np.prod(s)) for s in shapes.values()) < 10.6e9

@@ -44,6 +44,12 @@ class _GradMode:
         return wrapped
 
 
+def graph_retained() -> bool:
+    """True inside a backward(retain_graph=True): a Function whose backward hands on buffers it made
+    in its forward (the fused LM head's gradients) must hand on copies, to give them again next time."""
+    return getattr(_state, "retaining", False)
+
+
 def no_grad() -> _GradMode:
     """Context manager (or decorator): ops inside record no graph."""
     return _GradMode(False)
@@ -226,10 +232,30 @@ def backward(root, grad, retain_graph: bool = False) -> None:
             return
         raise AutogradError("backward on a tensor that does not require grad and has no grad_fn")
 
-    # Count, for every node below root, how many edges lead into it.
+    _backward_from(root.grad_fn, {root._output_nr: grad}, retain_graph)
+
+
+def backward_outputs(outputs, grads, retain_graph: bool = False) -> None:
+    """backward from several outputs of one node at once (a multi-output op's, e.g. add_layer_norm's
+    (sum, norm)), each with its gradient array; an output whose gradient is None gets none."""
+    pairs = [(t, g) for t, g in zip(outputs, grads) if g is not None]
+    if not pairs:
+        return
+    node = pairs[0][0].grad_fn
+    if node is None or any(t.grad_fn is not node for t, _ in pairs):
+        raise AutogradError("backward_outputs takes outputs of one node (made by one op), with a grad_fn")
+    seeds: dict = {}
+    for t, g in pairs:
+        seeds[t._output_nr] = g if t._output_nr not in seeds else array_backend(g).add(seeds[t._output_nr], g)
+    _backward_from(node, seeds, retain_graph)
+
+
+def _backward_from(root_node, seeds: dict, retain_graph: bool) -> None:
+    """Run the graph below root_node in reverse topological order, from seeds {output number: gradient}."""
+    # Count, for every node below the root, how many edges lead into it.
     deps: dict = {}
-    stack = [root.grad_fn]
-    seen = {id(root.grad_fn)}
+    stack = [root_node]
+    seen = {id(root_node)}
     while stack:
         node = stack.pop()
         if isinstance(node, AccumulateGrad):
@@ -243,11 +269,21 @@ def backward(root, grad, retain_graph: bool = False) -> None:
                 seen.add(id(child))
                 stack.append(child)
 
-    pending: dict = {id(root.grad_fn): [None] * root.grad_fn.num_outputs}
+    pending: dict = {id(root_node): [None] * root_node.num_outputs}
     owned: set = set()  # ids of gradient arrays nothing else holds (AccumulateGrad keeps them uncopied)
-    pending[id(root.grad_fn)][root._output_nr] = grad
+    for nr, g in seeds.items():
+        pending[id(root_node)][nr] = g
     # Later nodes first, as PyTorch does: parameters used last get their gradients first (DDP).
-    ready = [(-root.grad_fn.seq, 0, root.grad_fn)]
+    ready = [(-root_node.seq, 0, root_node)]
+    retaining, _state.retaining = graph_retained(), retain_graph
+    try:
+        _run_graph(ready, pending, deps, owned, retain_graph)
+    finally:
+        _state.retaining = retaining
+
+
+def _run_graph(ready, pending, deps, owned, retain_graph) -> None:
+    """Run the ready nodes, and the nodes they make ready, until none is left."""
     tie = itertools.count(1)
     with no_grad():
         while ready:
@@ -279,6 +315,8 @@ def backward(root, grad, retain_graph: bool = False) -> None:
                         slot[nr] = g
                         if fresh:
                             owned.add(id(g))
+                    elif id(slot[nr]) in owned and slot[nr].shape == g.shape and slot[nr].dtype == g.dtype:
+                        array_backend(g).add(slot[nr], g, out=slot[nr])  # nothing else holds it: in place
                     else:
                         owned.discard(id(slot[nr]))
                         slot[nr] = array_backend(g).add(slot[nr], g)  # a new array

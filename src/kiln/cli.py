@@ -298,6 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "default), all_gather or all_to_all (Ulysses: heads / tp must be a multiple of cp)")
     t.add_argument("--tp-chunks", type=int, help="async TP: each row-parallel all-reduce in N chunks that overlap "
                    "the next chunk's GEMM (default 1)")
+    t.add_argument("--adamw-in-backward", action="store_true", default=None,
+                   help="update each parameter inside backward as its gradient is final and keep no gradients "
+                        "(12 bytes a parameter, not 16: the largest model; a clip costs a second backward); "
+                        "one micro-batch a step, one device")
+    t.add_argument("--recompute-blocks", type=int, help="the first N blocks keep only their inputs and run their "
+                   "forward again in backward (activation memory for one more forward of those blocks)")
+    t.add_argument("--recompute-norm-gelu", action="store_true", default=None,
+                   help="backward makes each block's LayerNorm and GELU outputs again from what it keeps anyway "
+                        "(10 of a block's 16 saved activations, a few row passes more)")
     t.set_defaults(run=_train)
 
     la = sub.add_parser("launch", help="start N ranks of a command and supervise them: restart the gang "

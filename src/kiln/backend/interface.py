@@ -20,7 +20,7 @@ KERNELS = (
     "lm_head_xent_fwd", "lm_head_xent_bwd",                                    # lm_head
     "attention_fwd", "attention_bwd",                                          # attention
     "dropout_fwd",                                                             # dropout
-    "adamw_step", "grad_norm", "scale_",                                       # adamw
+    "adamw_step", "grad_norm", "grad_norm_parts", "scale_",                    # adamw
 )
 
 # Arrays: where bytes live and how host data gets there and back.

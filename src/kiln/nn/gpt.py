@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.autograd import no_grad
-from kiln.errors import ConfigError
+from kiln.autograd import is_grad_enabled, no_grad
+from kiln.errors import ConfigError, NotBuiltError
 from kiln.nn import functional as F
 from kiln.nn.layers import Dropout, Embedding, LayerNorm, Linear, as_dtype_of
 from kiln.nn.module import Module, ModuleList
+from kiln.nn.recompute import RecomputedBlock
 from kiln.tensor import Tensor, arange
 
 
@@ -85,6 +86,9 @@ PRESETS = {
     "gpt2-124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     # The paper's Table 5: 2.42B parameters, head dim 128.
     "gpt2-2.4b": GPTConfig(vocab_size=50304, block_size=1024, n_layer=20, n_head=24, n_embd=3072),
+    # The largest fp32 AdamW model on one H200 (§6.5's experiment there): Table 5's width, 92 layers, 10.58B
+    # parameters; PyTorch stops at 76 (8.77B). Trained with AdamW in backward (train.config.RECIPES).
+    "gpt2-largest": GPTConfig(vocab_size=50304, block_size=1024, n_layer=92, n_head=24, n_embd=3072),
 }
 
 
@@ -108,10 +112,11 @@ class CausalSelfAttention(Module):
         # the parallel strategy; None: this rank holds the whole sequence.
         self.context = None
 
-    def forward(self, x):
+    def forward(self, x, norm=None):
+        """norm: (s, ln) with x = ln(s): c_attn keeps s, not x, for its backward (Block.recompute_norm_gelu)."""
         # q, k, v stay packed in c_attn's [B, T, 3C] output: the attention kernels read them (and
         # write their gradients) in place, and return [B, T, C] with the heads side by side
-        qkv = self.c_attn(x)
+        qkv = self.c_attn(x) if norm is None else self.c_attn.forward_of_norm(x, *norm)
         if self.context is None:
             y = F.causal_self_attention(qkv, self.n_head)
         else:
@@ -127,7 +132,11 @@ class MLP(Module):
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x):
+    def forward(self, x, norm=None):
+        """norm: (s, ln) with x = ln(s): keep s and the pre-activation only, and make x and the GELU
+        again in backward (Block.recompute_norm_gelu); None: keep x, the pre-activation and the GELU."""
+        if norm is not None:
+            return self.dropout(self.c_proj.forward_of_gelu(self.c_fc.forward_of_norm(x, *norm)))
         return self.dropout(self.c_proj(self.c_fc.forward_gelu(x)))
 
 
@@ -138,6 +147,10 @@ class Block(Module):
         self.attn = CausalSelfAttention(cfg, generator)
         self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg, generator)
+        # True: the LayerNorm outputs (c_attn's and c_fc's inputs) and the GELU output are made again in
+        # backward from what the block keeps anyway (the residual, the pre-activation): 10 of its 16
+        # saved [B, T, C] arrays, for a LayerNorm forward of two rows and a GELU (GPT.recompute_norm_gelu)
+        self.recompute_norm_gelu = False
 
     def forward(self, x, h=None, next_ln=None):
         """x + attn(ln_1(x)), then + mlp(ln_2(.)): block(x) alone returns the new residual stream.
@@ -147,8 +160,9 @@ class Block(Module):
         (the next block's ln_1, or the model's ln_f) the block returns (x', next_ln(x'))."""
         if h is None:
             h = self.ln_1(x)
-        x, h = self.ln_2.add_forward(x, self.attn(h))
-        m = self.mlp(h)
+        short = self.recompute_norm_gelu
+        x, h = self.ln_2.add_forward(x, self.attn(h, (x, self.ln_1) if short else None))
+        m = self.mlp(h, (x, self.ln_2) if short else None)
         if next_ln is None:
             return x + m
         return next_ln.add_forward(x, m)
@@ -164,6 +178,9 @@ class GPT(Module):
         # With targets, the LM head and the loss are one chunked op (F.lm_head_cross_entropy) and
         # forward returns no logits; False makes the [B, T, V] logits whole and returns them too.
         self.fused_lm_head = True
+        # The first recompute_blocks blocks keep only their inputs for backward and run their forward
+        # again there (kiln.nn.recompute): 48 of 384 MiB a block at d=3072 B2 T1024 fp32, one more forward.
+        self.recompute_blocks = 0
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, generator=generator)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, generator=generator)
         self.drop = Dropout(cfg.dropout)
@@ -174,6 +191,17 @@ class GPT(Module):
         # The LM head and loss over a vocabulary sharded across tensor-parallel ranks
         # (kiln.distributed.tensor_parallel, §4.2), set by the parallel strategy; None: dense.
         self.vocab_parallel = None
+
+    @property
+    def recompute_norm_gelu(self) -> bool:
+        """Whether every block makes its LayerNorm and GELU outputs again in backward instead of keeping
+        them (Block.recompute_norm_gelu: 10 of a block's 16 saved [B, T, C] arrays; a few row passes more)."""
+        return all(block.recompute_norm_gelu for block in self.h)
+
+    @recompute_norm_gelu.setter
+    def recompute_norm_gelu(self, value: bool) -> None:
+        for block in self.h:
+            block.recompute_norm_gelu = bool(value)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, pos: Tensor | None = None):
         """(logits [B, T, V], loss or None) for token ids idx [B, T]; with targets and the fused LM
@@ -192,9 +220,17 @@ class GPT(Module):
         # The residual stream x goes from block to block with h, its LayerNorm for the next
         # sublayer; the last block's add is fused with ln_f (its sum is not used: no gradient).
         blocks = list(self.h)
+        recompute = self.recompute_blocks if is_grad_enabled() and x.requires_grad else 0
+        if recompute and self.training and self.config.dropout > 0:
+            raise NotBuiltError(f"recompute_blocks {recompute} with dropout {self.config.dropout}: the recomputed "
+                                "forward would draw other masks (replaying the random stream is not built)")
         h = None
         for i, block in enumerate(blocks):
-            x, h = block(x, h, blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f)
+            next_ln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f
+            if i < recompute:
+                x, h = RecomputedBlock.apply(x, h, block, next_ln)
+            else:
+                x, h = block(x, h, next_ln)
         x = h
         head = self.wte.weight if self.config.tie_weights else self.lm_head.weight
         if self.vocab_parallel is not None:  # logits of this rank's vocabulary shard, never gathered

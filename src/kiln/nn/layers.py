@@ -48,6 +48,16 @@ class Linear(Module):
         return F.linear_gelu(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x))
 
 
+    def forward_of_norm(self, x, s, norm):
+        """self(x) for x = norm(s) (a LayerNorm), keeping s, not x, for the backward (F.norm_linear: it makes x again)."""
+        return F.norm_linear(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x), s,
+                             as_dtype_of(norm.weight, s), as_dtype_of(norm.bias, s), norm.eps)
+
+    def forward_of_gelu(self, pre):
+        """self(gelu(pre)) keeping pre, not gelu(pre), for the backward (F.gelu_linear: it makes gelu(pre) again)."""
+        return F.gelu_linear(pre, as_dtype_of(self.weight, pre), as_dtype_of(self.bias, pre))
+
+
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, std: float = 0.02, generator=None):
         super().__init__()

@@ -27,6 +27,10 @@ class CausalAttention(Function):
         out, lse, scale, backend = ctx.meta
         return backend.attention_bwd(g, q, k, v, out, lse, scale)
 
+    def release(self) -> None:
+        super().release()
+        self.meta = None  # the output and LSE go with the saved tensors, not with the graph's last reference
+
 
 def _heads(a, n_head: int):
     """q, k, v: [B, H, T, D] views of a packed [B, T, 3 * H * D] array."""
@@ -55,6 +59,10 @@ class PackedCausalAttention(Function):
         grad = g.reshape(b, t, n_head, c // n_head).transpose(0, 2, 1, 3)
         backend.attention_bwd(grad, *_heads(qkv, n_head), out, lse, scale, into=_heads(dqkv, n_head))
         return dqkv
+
+    def release(self) -> None:
+        super().release()
+        self.meta = None  # the output and LSE go with the saved tensors, not with the graph's last reference
 
 
 def causal_self_attention(qkv, n_head: int, scale=None):

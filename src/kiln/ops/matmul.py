@@ -101,6 +101,10 @@ class LinearGELU(Function):
         ctx.pre = pre  # an intermediate, not an input: nothing can modify it in place
         return h.reshape(x.shape[:-1] + (weight.shape[0],))
 
+    def release(self) -> None:
+        super().release()
+        self.pre = None
+
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved
@@ -110,12 +114,100 @@ class LinearGELU(Function):
             dpre, db = ctx.backend.gelu_bwd_bias(g2, ctx.pre, ctx.param_grad_dtype)
         else:
             dpre, db = ctx.backend.gelu_bwd(g2, ctx.pre), None
-        ctx.pre = None
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
         dx, dw, _ = ctx.backend.linear_bwd(dpre, x2, w, need[0], need[1], False, ctx.param_grad_dtype)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         return dx, dw, db
+
+
+class GELULinear(Function):
+    """gelu(pre) @ weight^T + bias keeping pre, not gelu(pre): the backward makes gelu(pre) again (one
+    elementwise pass) for dweight, so an MLP keeps its pre-activation once instead of it and its GELU."""
+
+    fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
+
+    @staticmethod
+    def forward(ctx, pre, weight, bias=None):
+        ctx.has_bias = bias is not None
+        ctx.backend = pre.backend
+        ctx.param_grad_dtype = grad_dtype(weight)
+        ctx.save_for_backward(pre, weight)
+        h = pre.backend.gelu_fwd(pre.data.reshape(-1, pre.shape[-1]))
+        y = pre.backend.linear_fwd(h, weight.data, None if bias is None else bias.data)
+        return y.reshape(pre.shape[:-1] + (weight.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        pre, w = ctx.saved
+        need = ctx.needs_input_grad
+        pre2 = pre.reshape(-1, pre.shape[-1])
+        h = ctx.backend.gelu_fwd(pre2) if need[1] else None
+        dh, dw, db = ctx.backend.linear_bwd(g.reshape(-1, g.shape[-1]), h, w, need[0], need[1],
+                                            ctx.has_bias and need[2], ctx.param_grad_dtype)
+        dpre = ctx.backend.gelu_bwd(dh, pre2).reshape(pre.shape) if need[0] else None
+        return (dpre, dw, db) if ctx.has_bias else (dpre, dw)
+
+
+class NormLinear(Function):
+    """x @ weight^T + bias for x = layer_norm(s, norm weight, norm bias) keeping s, not x: the backward makes
+    x again from s (one row pass of the LayerNorm forward, whose kernel made x: the same bits) for dweight.
+    A pre-norm block keeps s anyway (the residual stream, for the LayerNorm's backward), so x costs nothing."""
+
+    fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, norm):
+        s, norm_weight, norm_bias, eps = norm
+        ctx.has_bias = bias is not None
+        ctx.backend = x.backend
+        ctx.x_shape = x.shape
+        ctx.param_grad_dtype = grad_dtype(weight)
+        ctx.eps = eps
+        nx, nw = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(weight if nx else None, *((s, norm_weight, norm_bias) if nw else (None, None, None)))
+        y = x.backend.linear_fwd(x.data.reshape(-1, x.shape[-1]), weight.data, None if bias is None else bias.data)
+        return y.reshape(x.shape[:-1] + (weight.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        w, s, norm_weight, norm_bias = ctx.saved
+        need = ctx.needs_input_grad
+        x2 = None
+        if s is not None:
+            x2 = ctx.backend.layer_norm_fwd(s.reshape(-1, s.shape[-1]), norm_weight, norm_bias, ctx.eps)[0]
+        dx, dw, db = ctx.backend.linear_bwd(g.reshape(-1, g.shape[-1]), x2, w, need[0], need[1],
+                                            ctx.has_bias and need[2], ctx.param_grad_dtype)
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        return (dx, dw, db) if ctx.has_bias else (dx, dw)
+
+
+def norm_linear(x, weight, bias, s, norm_weight, norm_bias=None, eps: float = 1e-5):
+    """linear(x, weight, bias) for x = layer_norm(s, norm_weight, norm_bias, eps) (the caller's: it is not
+    checked), keeping s for the backward instead of x (a pre-norm block's c_attn and c_fc when activations
+    are short: 2 of a block's 16 saved [B, T, C] arrays fewer)."""
+    _check_float_pair("norm_linear", x, weight)
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1] or s.shape != x.shape or \
+            (bias is not None and bias.shape != (weight.shape[0],)) or norm_weight.shape != (x.shape[-1],):
+        raise ShapeError(f"norm_linear: input {x.shape}, weight {weight.shape}, bias "
+                         f"{None if bias is None else bias.shape}, normed {s.shape} and norm weight {norm_weight.shape} "
+                         "do not fit (expected [..., in], [out, in], [out], [..., in], [in])")
+    return NormLinear.apply(x, weight, bias, (s, norm_weight, norm_bias, eps))
+
+
+def gelu_linear(pre, weight, bias=None):
+    """linear(gelu(pre), weight, bias) in one op that keeps pre for the backward, not gelu(pre) (a GPT
+    MLP's second layer when activations are short: 4 of a block's 16 saved [B, T, C] arrays fewer)."""
+    _check_float_pair("gelu_linear", pre, weight)
+    if weight.ndim != 2 or pre.ndim < 1 or pre.shape[-1] != weight.shape[1] or \
+            (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ShapeError(f"gelu_linear: input {pre.shape}, weight {weight.shape} and bias "
+                         f"{None if bias is None else bias.shape} do not fit (expected [..., in], [out, in], [out])")
+    if bias is None:
+        return GELULinear.apply(pre, weight)
+    _check_float_pair("gelu_linear", pre, bias)
+    return GELULinear.apply(pre, weight, bias)
 
 
 def linear_gelu(x, weight, bias):

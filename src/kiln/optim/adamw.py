@@ -6,12 +6,22 @@ as the kernel reads it (computed on the device: no host sync, no separate scalin
 A parameter that keeps a copy in a lower compute dtype (kiln.ops.convert.KeptCopy: a bf16
 step's weights) has it written by the same kernel from the updated value, so the next forward
 casts no weight (one pass over the weights fewer).
+
+`AdamW(..., in_backward=True)` keeps no gradients: `backward_step(loss, max_norm)` updates each
+parameter from a hook as soon as backward has made its gradient final (a tied weight's after its
+last use) and drops that gradient at once, so a whole model's gradients are never held (the largest
+model on one GPU: 12 bytes a parameter instead of 16). The global-norm clip needs the norm of the whole
+gradient before the first update, so with a clip the step runs backward twice over one retained
+graph: the first pass only adds up each gradient's sum of squares (dropping the gradient as it is
+made), the second updates with the clip coefficient from that norm; without a clip, one pass. The
+update is the ordinary step's (backward, clip_grad_norm_, step) bit for bit on the CPU; the clip
+costs a second backward (about 4N FLOPs a token on top of the step's 6N) and no memory.
 """
 
 from __future__ import annotations
 
 from kiln.autograd import no_grad
-from kiln.errors import ConfigError, KilnError
+from kiln.errors import ConfigError, KilnError, NotBuiltError
 from kiln.graph import before_each_replay, capturing
 from kiln.tensor import Tensor
 
@@ -25,10 +35,11 @@ def gpt_param_groups(model, weight_decay: float):
 
 
 class AdamW:
-    """torch.optim.AdamW's arithmetic; `param_groups` hold params, lr and weight_decay."""
+    """torch.optim.AdamW's arithmetic; `param_groups` hold params, lr and weight_decay. in_backward:
+    each parameter is updated inside backward_step(loss) as its gradient is made (see above)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
+                 weight_decay: float = 0.01, in_backward: bool = False):
         if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1): got lr={lr}, "
                               f"betas={betas}, eps={eps}")
@@ -49,6 +60,15 @@ class AdamW:
             raise KilnError("a parameter appears in more than one AdamW param group")
         self._moments = None  # (exp_avgs, exp_avg_sqs), allocated at the first step
         self._clip = None  # (norm device array, max_norm) for the next step, from clip_grad_norm_
+        self.in_backward = in_backward
+        self._pass = None  # inside backward_step: "norm" (the clip's first pass) or "update"
+        self._norm_parts = None  # the clip's first pass: the gradients' squares, as they come (backend.grad_norm_parts)
+        if in_backward:
+            self._position = {}  # id(param) -> (its index in self.params, its group)
+            for g in self.param_groups:
+                for p in g["params"]:
+                    self._position[id(p)] = (len(self._position), g)
+                    p.register_post_accumulate_grad_hook(self._gradient_final)
 
     @property
     def params(self):
@@ -66,6 +86,11 @@ class AdamW:
         self._moments = ([p.backend.xp.zeros_like(p.data) for p in self.params],
                          [p.backend.xp.zeros_like(p.data) for p in self.params])
 
+    def _refuse_outside_backward_step(self, what: str) -> None:
+        if self.in_backward:
+            raise ConfigError(f"{what} on an AdamW(in_backward=True): it keeps no gradients; call "
+                              "optimizer.backward_step(loss, max_norm) instead of loss.backward(), the clip and step()")
+
     @no_grad()
     def clip_grad_norm_(self, max_norm: float, norm=None) -> Tensor:
         """The global L2 norm of this optimizer's gradients (a 0-d device tensor, not synced);
@@ -73,6 +98,7 @@ class AdamW:
         would (torch's coefficient min(1, max_norm / (norm + 1e-6))), fused into the update.
         The gradients themselves are left unscaled. norm: that norm as a 0-d device array when
         it is computed elsewhere (a tensor-parallel model's spans ranks: ModelParallel.grad_norm)."""
+        self._refuse_outside_backward_step("clip_grad_norm_")
         if max_norm <= 0:
             raise ConfigError(f"clip_grad_norm_ needs max_norm > 0, got {max_norm}")
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -90,6 +116,7 @@ class AdamW:
         Recorded into a CUDA graph (kiln.graph.CapturedStep), the update reads lr and the bias
         corrections from a device buffer per param group that a callback refreshes from
         `param_groups` and the step count before every replay."""
+        self._refuse_outside_backward_step("step()")
         if self._moments is None:
             self._allocate()
         captured = capturing()
@@ -125,6 +152,71 @@ class AdamW:
                 backend.adamw_step(ps, gs, ms, vs, wds, lr, b1, b2, self.eps, self.step_count,
                                    clip_norm=clip_norm, max_norm=max_norm, copies=cs)
         for copy, p in kept:
+            copy.version = p._version[0]
+
+    def backward_step(self, loss: Tensor, max_norm: float | None = None) -> Tensor | None:
+        """backward of loss with every parameter updated as its gradient is final (in_backward=True);
+        returns the gradient's global norm (a 0-d device tensor, not synced) when max_norm clips it.
+
+        With max_norm, the first backward (retain_graph) only adds up each gradient's sum of squares
+        (backend.grad_norm_parts: grad_norm's sum, bit for bit) and drops the gradient; the second updates each
+        parameter with torch's coefficient min(1, max_norm / (norm + 1e-6)). Without, one backward."""
+        if not self.in_backward:
+            raise ConfigError("backward_step needs AdamW(..., in_backward=True); this AdamW keeps gradients: "
+                              "call loss.backward() and step()")
+        if max_norm is not None and not max_norm > 0:
+            raise ConfigError(f"backward_step needs max_norm > 0 (None: no clip), got {max_norm}")
+        if capturing():
+            raise NotBuiltError("AdamW in backward inside a CUDA graph capture is not built: its updates read lr "
+                                "and the step count from the host; run the step op by op")
+        held = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if held:
+            raise KilnError(f"AdamW in backward found {len(held)} parameters holding gradients (the first at index "
+                            f"{held[0]}): it adds no gradient to an old one; set them to None first (zero_grad())")
+        if self._moments is None:
+            self._allocate()
+        norm = None
+        if max_norm is not None:
+            params = self.params
+            self._norm_parts = params[0].backend.grad_norm_parts([p.data for p in params])
+            try:
+                self._run_pass("norm", loss, retain_graph=True)
+                norm = self._norm_parts.norm()
+            finally:
+                self._norm_parts = None
+            self._clip = (norm, float(max_norm))
+        self.step_count += 1
+        try:
+            self._run_pass("update", loss, retain_graph=False)
+        finally:
+            self._clip = None
+        return None if norm is None else Tensor._wrap(norm, loss.device)
+
+    def _run_pass(self, name: str, loss: Tensor, retain_graph: bool) -> None:
+        self._pass = name
+        try:
+            loss.backward(retain_graph=retain_graph)
+        finally:
+            self._pass = None
+
+    def _gradient_final(self, p) -> None:
+        """The post-accumulate hook: p's gradient of this backward is complete."""
+        if self._pass is None:
+            raise KilnError("a backward reached a parameter of an AdamW(in_backward=True) outside its "
+                            "backward_step(loss): call optimizer.backward_step(loss, max_norm) instead of loss.backward()")
+        i, group = self._position[id(p)]
+        grad, p.grad = p.grad, None  # nothing else holds it: freed when this returns
+        if self._pass == "norm":
+            self._norm_parts.add(i, grad.data)
+            return
+        exp_avgs, exp_avg_sqs = self._moments
+        clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
+        copy = getattr(p, "kept", None)
+        p.backend.adamw_step([p.data], [grad.data], [exp_avgs[i]], [exp_avg_sqs[i]], [group["weight_decay"]],
+                             group["lr"], self.betas[0], self.betas[1], self.eps, self.step_count,
+                             clip_norm=clip_norm, max_norm=max_norm, copies=[None if copy is None else copy.data])
+        p._version[0] += 1
+        if copy is not None and copy.data is not None:
             copy.version = p._version[0]
 
     def _record_step(self, by_group, clip_norm, max_norm) -> None:

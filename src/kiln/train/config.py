@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import kiln
 from kiln.backend import cuda_is_available, device as parse_device
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, NotBuiltError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
 PARALLEL = ("none", "ddp", "zero1", "zero2", "fsdp")
@@ -56,6 +56,9 @@ class TrainConfig:
     cp: int = 1                              # context-parallel ranks per model replica: each sequence split (§4.3)
     cp_transport: str = "p2p"                # how K/V reach the other cp ranks: p2p (ring), all_gather, all_to_all
     tp_chunks: int = 1                       # async TP: each row-parallel all-reduce in N chunks, overlapping GEMMs
+    adamw_in_backward: bool | None = None    # update each parameter inside backward, keep no gradients (kiln.optim.adamw)
+    recompute_blocks: int | None = None      # the first N blocks keep only their inputs; backward recomputes the rest
+    recompute_norm_gelu: bool | None = None  # backward makes the LayerNorm and GELU outputs again instead of keeping them
 
     def __post_init__(self):
         """Fill every training setting left None from the model preset's recipe (flags override it)."""
@@ -73,8 +76,13 @@ class TrainConfig:
     def describe_recipe(self) -> str:
         """The optimizer schedule this run uses, in one line (the preset's recipe, as flags changed it)."""
         batch = f"{self.global_batch:,} tokens a step" if self.global_batch else f"{self.grad_accum} micro-batch(es) a step"
+        memory = "".join([", AdamW inside backward (no gradients kept" +
+                          ("; the exact clip's second backward)" if self.grad_clip > 0 else ")")
+                          if self.adamw_in_backward else "",
+                          ", LayerNorm and GELU outputs recomputed" if self.recompute_norm_gelu else "",
+                          f", the first {self.recompute_blocks} blocks recomputed" if self.recompute_blocks else ""])
         return (f"lr {self.lr:g} -> {self.min_lr:g} (cosine), {self.warmup_steps} warm-up steps, {self.max_steps} "
-                f"steps, {batch}, weight decay {self.weight_decay:g}, betas {self.betas}, clip {self.grad_clip:g}")
+                f"steps, {batch}, weight decay {self.weight_decay:g}, betas {self.betas}, clip {self.grad_clip:g}{memory}")
 
     def validate(self) -> None:
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters")
@@ -114,6 +122,27 @@ class TrainConfig:
         from kiln.distributed.context_parallel import TRANSPORTS
         if self.cp_transport not in TRANSPORTS:
             raise ConfigError(f"unknown cp_transport {self.cp_transport!r}; allowed: {', '.join(TRANSPORTS)}")
+        if not isinstance(self.adamw_in_backward, bool):
+            raise ConfigError(f"adamw_in_backward must be true or false, got {self.adamw_in_backward!r}")
+        if not isinstance(self.recompute_blocks, int) or isinstance(self.recompute_blocks, bool) \
+                or self.recompute_blocks < 0:
+            raise ConfigError(f"recompute_blocks must be an integer >= 0, got {self.recompute_blocks!r}")
+        if not isinstance(self.recompute_norm_gelu, bool):
+            raise ConfigError(f"recompute_norm_gelu must be true or false, got {self.recompute_norm_gelu!r}")
+        if self.adamw_in_backward:
+            self._check_in_backward()
+
+
+    def _check_in_backward(self) -> None:
+        """What AdamW in backward cannot be combined with yet: each names what is not built."""
+        if self.grad_accum != 1 or self.global_batch is not None:
+            raise NotBuiltError(f"adamw_in_backward with grad_accum {self.grad_accum} / global_batch "
+                                f"{self.global_batch}: gradient accumulation needs the gradients kept between "
+                                "micro-batches, which AdamW in backward drops; use grad_accum 1 and no global_batch")
+        if self.parallel != "none" or self.tp * self.cp > 1:
+            raise NotBuiltError(f"adamw_in_backward with parallel={self.parallel!r}, tp={self.tp}, cp={self.cp}: "
+                                "updating inside backward after each gradient's all-reduce is not built; "
+                                "it trains on one device (parallel none, tp 1, cp 1)")
 
 
 def resolve_device(name: str):
@@ -137,15 +166,24 @@ def apply_precision(model, precision: str, device) -> None:
 
 
 _TABLE_1 = dict(lr=6e-4, min_lr=6e-5, warmup_steps=715, max_steps=19_073, global_batch=524_288,
-                weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0)
+                weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False, recompute_blocks=0,
+                recompute_norm_gelu=False)
 RECIPES = {  # each preset's training recipe: what TrainConfig's None settings become
     # the CPU default: the bundled corpus in about two minutes on two cores
     "tiny": dict(batch_size=16, max_steps=1200, lr=2e-3, min_lr=2e-4, warmup_steps=40, global_batch=None,
-                 weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0),
+                 weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False, recompute_blocks=0,
+                recompute_norm_gelu=False),
     # the paper's Table 1 (GPT-2 124M): 524,288 tokens a step through accumulation, 19,073 steps
     "gpt2-124m": dict(batch_size=16, **_TABLE_1),
     # Table 5 gives B=2 and the same 524,288-token global batch; its optimizer settings are Table 1's
     "gpt2-2.4b": dict(batch_size=2, **_TABLE_1),
+    # §6.5 on an H200: 10.58B parameters in fp32 at B2 T1024, one micro-batch a step (accumulation keeps
+    # gradients), AdamW inside backward (12 bytes a parameter: 118.2 GiB), Table 1's optimizer and an exact
+    # clip (a second backward); activations: the blocks make their LayerNorm and GELU outputs again (240
+    # MiB a block, not 384) and the first 16 of 92 are recomputed (48 MiB each): 18.6 GiB
+    # (benchmarks/largest_model.py)
+    "gpt2-largest": dict(batch_size=2, **{**_TABLE_1, "global_batch": None, "adamw_in_backward": True,
+                                          "recompute_blocks": 16, "recompute_norm_gelu": True}),
 }
 
 
@@ -191,4 +229,5 @@ def accumulation_steps(config: TrainConfig, seq_len: int, replicas: int) -> int:
 RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "keep_checkpoints", "parallel",
                     "batch_size",  # with another number of ranks: batch_size x ranks stays the loader's step
                     "tp", "cp", "cp_transport", "tp_chunks",  # a tp/cp run's checkpoints are the dense model's
-                    "async_checkpoint", "eval_interval", "sample_tokens")
+                    "async_checkpoint", "eval_interval", "sample_tokens",
+                    "adamw_in_backward", "recompute_blocks", "recompute_norm_gelu")  # the same state, less memory

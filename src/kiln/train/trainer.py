@@ -139,9 +139,12 @@ class Trainer:
         self.model_parallel = None  # tp x cp > 1: the model's shards on this rank (§4.2, §4.3)
         self.dense_model = self.model  # what rank 0 writes and samples from (tp/cp: gathered at the end)
 
+        self.model.recompute_blocks = config.recompute_blocks
+        self.model.recompute_norm_gelu = config.recompute_norm_gelu
+
         def adamw(model):
             return AdamW(gpt_param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
-                         eps=config.eps)
+                         eps=config.eps, in_backward=config.adamw_in_backward)
 
         self.ddp = None  # the data-parallel wrapper: DDP, ZeRO-1/2 or FSDP (tp/cp: over the dp x cp ranks)
         self.sharded = config.parallel in SHARDED  # the optimizer state (and more) in shards, one per rank
@@ -187,6 +190,9 @@ class Trainer:
         self._graph_failed = False                      # recording it failed once: op by op from then on
         self.launch = RankAgent.from_env()  # under `kiln launch`: heartbeats, bad-step policy, faults
         self._faults = self.launch.faults if self.launch is not None else None
+        if config.adamw_in_backward and config.cuda_graph and self.device.backend.captures_graphs:
+            warnings.warn("AdamW in backward runs every step op by op: capturing its updates (lr and step count "
+                          "from the host, inside backward) as a CUDA graph is not built", RuntimeWarning, stacklevel=2)
         self._before_step = None  # (params, moments, optimizer step) before this step, for the skip policy
         self._rolled_back: set[int] = set()
 
@@ -266,6 +272,7 @@ class Trainer:
 
     def _use_graph(self) -> bool:
         return (self.config.cuda_graph and self.device.backend.captures_graphs and self.step >= 2
+                and not self.config.adamw_in_backward  # its updates run inside backward, from the host
                 and self.model_parallel is None  # tp/cp steps: their capture is not yet run on a device
                 and self.model_config.dropout == 0.0 and not self._graph_failed
                 # an injected NaN or spike acts in Python inside its step: that one step runs op by op
@@ -275,9 +282,15 @@ class Trainer:
         """zero_grad, forward and backward over the micro-batches (x0, y0, x1, y1, ...), clip, update:
         device work only, so that it can be recorded as a CUDA graph. (mean loss, grad norm)."""
         c, accum = self.config, self.grad_accum
+        scale = self._faults.loss_scale(self.step + 1) if self._faults is not None else None
+        if c.adamw_in_backward:  # one micro-batch, one device (TrainConfig says so): update inside backward
+            loss = self._loss(*batches)
+            if scale is not None:
+                loss = loss * scale
+            norm = self.optimizer.backward_step(loss, c.grad_clip if c.grad_clip > 0 else None)
+            return loss.detach(), norm
         self.optimizer.zero_grad()
         total = None
-        scale = self._faults.loss_scale(self.step + 1) if self._faults is not None else None
         for i, (x, y) in enumerate(zip(batches[::2], batches[1::2])):
             # DDP: accumulation micro-steps communicate nothing; the last one all-reduces (Algorithm 1)
             with self.ddp.no_sync() if self.ddp is not None and i < accum - 1 else contextlib.nullcontext():

@@ -10,7 +10,7 @@ import contextlib
 
 import numpy as np
 
-from kiln.backend.cpu.adamw import adamw_step, grad_norm, scale_
+from kiln.backend.cpu.adamw import adamw_step, grad_norm, grad_norm_parts, scale_
 from kiln.backend.cpu.attention import attention_bwd, attention_fwd
 from kiln.backend.cpu.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from kiln.backend.cpu.dropout import dropout_fwd

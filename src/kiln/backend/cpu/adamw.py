@@ -9,12 +9,44 @@ def grad_norm(grads):
     """The L2 norm of all gradients together, as a 0-d float32 (float64 for float64) array. The
     squares are summed in float64 whatever the gradients' dtype (as ZeRO's sharded clip sums them:
     a float32 norm then rounds to the same bits however the gradients were split)."""
-    dt = np.float64 if all(g.dtype == np.float64 for g in grads) else np.float32
+    return _norm_of_sumsqs([_sumsq(g) for g in grads], _norm_dtype(grads))
+
+
+def _norm_dtype(arrays):
+    return np.float64 if all(a.dtype == np.float64 for a in arrays) else np.float32
+
+
+def _sumsq(grad):
+    wide = grad.reshape(-1).astype(np.float64)
+    return float(np.dot(wide, wide))
+
+
+def _norm_of_sumsqs(sumsqs, dtype):
     total = 0.0
-    for g in grads:
-        wide = g.reshape(-1).astype(np.float64)
-        total += float(np.dot(wide, wide))
-    return np.asarray(math.sqrt(total), dtype=dt)
+    for s in sumsqs:
+        total += s
+    return np.asarray(math.sqrt(total), dtype=dtype)
+
+
+class GradNormParts:
+    """grad_norm of gradients that come one at a time and are dropped (AdamW in backward): each one's
+    sum of squares is kept in its parameter's slot, and the norm adds them in parameter order: for
+    gradients of every parameter it is grad_norm(grads) bit for bit."""
+
+    def __init__(self, params):
+        self.sumsqs = [None] * len(params)
+        self.dtype = _norm_dtype(params)
+
+    def add(self, index: int, grad) -> None:
+        self.sumsqs[index] = _sumsq(grad)
+
+    def norm(self):
+        return _norm_of_sumsqs([s for s in self.sumsqs if s is not None], self.dtype)
+
+
+def grad_norm_parts(params):
+    """A GradNormParts for gradients shaped as these parameter arrays, in this order."""
+    return GradNormParts(params)
 
 
 def scale_(arrays, factor):

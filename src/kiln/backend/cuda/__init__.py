@@ -16,6 +16,7 @@ from kiln.backend.cuda.adamw import (
     adamw_set_hyper,
     adamw_step,
     grad_norm,
+    grad_norm_parts,
     scale_,
 )
 from kiln.backend.cuda.allocator import end_warmup, memory_stats, observe_allocations, release_unused

@@ -256,6 +256,69 @@ def grad_norm(grads):
     return out
 
 
+class GradNormParts:
+    """grad_norm of gradients that come one at a time and are dropped (AdamW in backward), bit for bit.
+
+    grad_norm's kernel writes one partial sum per chunk of every gradient (the gradients grouped by
+    dtype, in order) and its last block adds the partials in a fixed order. Here each gradient's chunks
+    are written by the same kernel, alone, at the places grad_norm would give them, into a zeroed
+    buffer; every launch's last block adds the whole buffer into `out`, so after the last gradient
+    `out` holds grad_norm's sum. (A parameter that gets no gradient leaves zeros where grad_norm would
+    have moved the next ones up: the same norm, maybe not the same last bit.) Float64 gradients, or
+    ones without a kernel dtype, are summed by CuPy instead, in order."""
+
+    def __init__(self, params):
+        cp = rt.cupy()
+        self.exact = all(_ctype(p.dtype) is not None and p.size > 0 for p in params) and \
+            not all(p.dtype == np.float64 for p in params)
+        if not self.exact:
+            self.sumsqs = [None] * len(params)
+            self.dtype = np.float64 if all(p.dtype == np.float64 for p in params) else np.float32
+            return
+        groups: dict = {}  # ctype -> [(index, size)], in first-seen order, as grad_norm groups them
+        for i, p in enumerate(params):
+            groups.setdefault(_ctype(p.dtype), []).append((i, p.size))
+        self.offsets = [0] * len(params)
+        total = 0
+        for members in groups.values():
+            starts = block_starts([size for _, size in members])
+            for (i, _), start in zip(members, starts[:-1]):
+                self.offsets[i] = total + int(start)
+            total += int(starts[-1])
+        self.total = total
+        self.partial = cp.zeros((total,), dtype=np.float32)
+        self.out = cp.zeros((), dtype=np.float32)
+
+    def add(self, index: int, grad) -> None:
+        if not self.exact:
+            cp = rt.cupy()
+            flat = grad.ravel().astype(cp.float64 if self.dtype == np.float64 else cp.float32)
+            self.sumsqs[index] = cp.vdot(flat, flat)
+            return
+        dev = rt.device_id()
+        red = _reductions.get(dev)
+        if red is None:
+            red = _reductions[dev] = _Reduction()
+        tab = _table([(grad,)])
+        get_kernel("adamw.cu", f"sumsq_multi<{_ctype(grad.dtype)}>")(
+            (tab.nblocks,), (THREADS,),
+            (tab.ptrs, tab.sizes, tab.block_start, i32(1), i64(CHUNK), self.partial, i32(self.offsets[index]),
+             i32(self.total), red.counter, np.uint32(tab.nblocks), self.out))
+
+    def norm(self):
+        if self.exact:
+            return self.out
+        cp = rt.cupy()
+        terms = [s for s in self.sumsqs if s is not None]
+        total = sum(terms[1:], terms[0]) if terms else cp.zeros((), dtype=self.dtype)
+        return cp.sqrt(total).astype(self.dtype)
+
+
+def grad_norm_parts(params):
+    """A GradNormParts for gradients shaped as these parameter arrays, in this order."""
+    return GradNormParts(params)
+
+
 def scale_(arrays, factor):
     """Multiply every array in place by a 0-d (device) factor, with no host sync."""
     cp = rt.cupy()

@@ -1,0 +1,82 @@
+"""benchmarks/largest_model.py: its memory and FLOP arithmetic, the saved bytes it counts, and one small
+case of each framework on the CPU."""
+
+import argparse
+import math
+
+import pytest
+
+from kiln.nn import GPTConfig
+from tests.benchmark_support import load_benchmark
+
+GIB = 2 ** 30
+
+
+def load():
+    return load_benchmark("largest_model")
+
+
+def test_the_target_model_has_10_58b_parameters_and_needs_recomputed_blocks_on_an_h200():
+    lm = load()
+    assert lm.n_params(76) == pytest.approx(8.77e9, rel=2e-3)  # PyTorch's largest
+    assert lm.n_params(92) == pytest.approx(10.58e9, rel=1e-3)
+    h200 = 143_771 * 2 ** 20
+    assert lm.recompute_plan(76, h200, gelu=False) == 0  # 98 GiB of weights and moments, 28.5 GiB of activations
+    for gelu, low, high in ((False, 40, 52), (True, 10, 16)):
+        k = lm.recompute_plan(92, h200, gelu)
+        assert low <= k <= high
+        assert lm.predicted_bytes(92, k, gelu) <= h200 < lm.predicted_bytes(92, k - 1, gelu)
+    assert lm.recompute_plan(200, h200) == 200  # more than fits: every block, and still too much
+
+
+def test_the_flop_factor_counts_one_more_forward_per_recomputed_block_and_a_backward_for_the_clip():
+    lm = load()
+    assert lm.flops_factor(92, 0, False) == 1.0
+    assert lm.flops_factor(92, 92, False) == pytest.approx(4 / 3)
+    assert lm.flops_factor(92, 0, True) == pytest.approx(5 / 3)
+    assert lm.flops_factor(92, 46, True) == pytest.approx(1 + 1 / 6 + 2 / 3 + 1 / 6)
+
+
+def test_a_plain_block_keeps_sixteen_activations_and_a_recomputed_one_two():
+    """On the CPU the attention output's [B, T, H*D] view is a copy (one more than the GPU's layout)."""
+    got = load().saved_per_block()
+    assert got["recomputed"] == 2.0
+    assert got["plain"] == pytest.approx(16 + 1 + 4 / 64 + 4 / 64)  # + the CPU's copy, the LSE, 2 x (mean, rstd)
+    assert got["plain_by_op"]["LinearGELU"] == 5.0 and got["plain_by_op"]["Linear"] == 6.0
+    assert got["norm_gelu_recomputed"] == got["plain"] - 6  # the GELU output (4) and two LayerNorm outputs not kept
+    by_op = got["norm_gelu_recomputed_by_op"]
+    assert by_op["GELULinear"] == 4.0 and by_op["Linear"] == 1.0 and "NormLinear" not in by_op  # keeps s: kept anyway
+
+
+@pytest.mark.parametrize("framework, clip", [("kiln", "on"), ("kiln", "off"), ("torch-eager", "on")])
+def test_one_small_case_runs_on_the_cpu(monkeypatch, framework, clip):
+    lm = load()
+    monkeypatch.setattr(lm, "B", 2)
+    monkeypatch.setattr(lm, "T", 16)
+    monkeypatch.setattr(lm, "VOCAB", 64)
+    monkeypatch.setattr(lm, "config", lambda n: GPTConfig(vocab_size=64, block_size=16, n_layer=n, n_head=2, n_embd=32))
+    args = argparse.Namespace(framework=framework, n_layer=3, clip=clip, recompute_blocks=2, recompute_norm_gelu="on",
+                              steps=3, warmup=1, device="cpu")
+    r = lm.worker(args)
+    assert r["params"] == lm.n_params(3) and r["tokens_per_s"] > 0 and len(r["losses"]) == 3
+    assert all(abs(v - math.log(64)) < 0.3 for v in r["losses"])  # random tokens: about log V from the start
+
+
+def test_the_cases_and_the_table():
+    lm = load()
+    args = argparse.Namespace(torch_layers=[76], kiln_layers=[76, 92], clip=["off", "on"], recompute_blocks=None,
+                              recompute_norm_gelu="on", torch_compile=False)
+    cases = lm.cases(args, 143_771 * 2 ** 20)
+    assert [(c["framework"], c["n_layer"], c["clip"], c["recompute_blocks"]) for c in cases] == [
+        ("torch-eager", 76, "on", 0), ("kiln", 76, "off", 0), ("kiln", 76, "on", 0),
+        ("kiln", 92, "off", 16), ("kiln", 92, "on", 16)]
+    done = {"framework": "kiln", "n_layer": 92, "clip": "off", "recompute_blocks": 16, "recompute_norm_gelu": "on",
+            "params": lm.n_params(92), "tokens_per_s": 640.0, "step_s": 3.2, "peak_allocated_gib": 137.0,
+            "predicted_gib": 139.9, "product_vs_torch": 0.93, "predicted_product_vs_torch": 0.945}
+    torch_row = {"framework": "torch-eager", "n_layer": 76, "clip": "on", "recompute_blocks": None,
+                 "recompute_norm_gelu": None, "params": lm.n_params(76), "tokens_per_s": 839.0, "step_s": 2.44,
+                 "peak_allocated_gib": 131.9, "product_vs_torch": 1.0}
+    failed = {**cases[-1], "error": "Traceback ...\nMemoryError: out of memory"}
+    text = lm.table([torch_row, done, failed])
+    assert "| kiln | 92 | 10.58B | off | 16, on | 640 | 3.20 | 137.0 | 139.9 | 0.930 | 0.945 |" in text
+    assert "MemoryError: out of memory" in text and text.count("\n") == 4
