@@ -12,32 +12,20 @@ strategy (load_dense_state), which takes step 6: its dense parameters against th
 import sys
 
 import numpy as np
+from mesh_reference import CLIP, STEPS, batches, gpt, optimizer
 from rank_output import write_result
 
 import kiln
 import kiln.distributed as dist
 from kiln.distributed.model_parallel import ModelParallel
 from kiln.distributed.tensor_parallel import shard_layout
-from kiln.nn import GPT, GPTConfig
-from kiln.optim import AdamW, gpt_param_groups
 
 dp, tp, cp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-STEPS, ROWS, T, CLIP = 5, 4, 16, 0.5
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-cfg = GPTConfig(vocab_size=64, block_size=T, n_layer=2, n_head=4, n_embd=32)
 world = dist.init_process_group("mpi", timeout=60)
 
 
-def gpt():
-    return GPT(cfg, generator=kiln.Generator(0)).to(dtype="float64")
-
-
-def optimizer(model):
-    return AdamW(gpt_param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-
-
-rng = np.random.default_rng(7)
-data = [(rng.integers(0, 64, (ROWS, T)), rng.integers(0, 64, (ROWS, T))) for _ in range(STEPS + 1)]
+data = batches()
 ref = gpt()
 ref_opt = optimizer(ref)
 ref_losses, ref_norms = [], []

@@ -10,36 +10,21 @@ fresh batch must equal the reference's, and rank 0 saves it as a kiln checkpoint
 import sys
 
 import numpy as np
+from mesh_reference import CLIP, STEPS, batches, cfg, gpt, optimizer
 from rank_output import write_result
 
 import kiln
 import kiln.distributed as dist
 from kiln.checkpoint import save
 from kiln.distributed.model_parallel import ModelParallel
-from kiln.nn import GPT, GPTConfig
-from kiln.optim import AdamW, gpt_param_groups
 
 dp, tp, cp, transport, chunks, out_dir = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                                           int(sys.argv[5]), sys.argv[6])
-STEPS, ROWS, T, CLIP = 5, 4, 16, 0.5
-cfg = GPTConfig(vocab_size=64, block_size=T, n_layer=2, n_head=4, n_embd=32)
 world = dist.init_process_group("mpi", timeout=60)
 W, r = world.size, world.rank
 
 
-def gpt(state=None):
-    model = GPT(cfg, generator=kiln.Generator(0)).to(dtype="float64")
-    if state is not None:
-        model.load_state_dict({k: kiln.tensor(v) for k, v in state.items()})
-    return model
-
-
-def optimizer(model):
-    return AdamW(gpt_param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-
-
-rng = np.random.default_rng(7)
-data = [(rng.integers(0, 64, (ROWS, T)), rng.integers(0, 64, (ROWS, T))) for _ in range(STEPS + 1)]
+data = batches()
 ref = gpt()
 ref_opt = optimizer(ref)
 ref_losses, ref_norms, norms = [], [], []
