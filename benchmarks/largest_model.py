@@ -86,6 +86,7 @@ def saved_units(n_layer: int, recompute: int = 0, gelu: bool = False, d: int = 6
     import numpy as np
 
     import kiln
+    from kiln.autograd import graph_nodes
     from kiln.nn import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=64, block_size=t, n_layer=n_layer, n_head=4, n_embd=d))
     model.recompute_blocks = recompute
@@ -93,14 +94,7 @@ def saved_units(n_layer: int, recompute: int = 0, gelu: bool = False, d: int = 6
     rng = np.random.default_rng(0)
     loss = model(kiln.tensor(rng.integers(0, 64, (b, t))), kiln.tensor(rng.integers(0, 64, (b, t))))[1]
     params = {id(p.data) for p in model.parameters()}
-    nodes, stack, seen = [], [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or not hasattr(node, "next_edges"):
-            continue
-        seen.add(id(node))
-        nodes.append(node)
-        stack.extend(e[0] for e in node.next_edges if e is not None)
+    nodes = graph_nodes(loss)
 
     def arrays(obj):
         if isinstance(obj, np.ndarray):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import kiln
+from kiln.autograd import graph_nodes
 from kiln.errors import ConfigError, KilnError
 from kiln.nn import GPT, GPTConfig
 from kiln.optim import AdamW, gpt_param_groups
@@ -129,14 +130,7 @@ def test_a_recomputed_block_keeps_only_its_inputs():
     x, y = batches(1)[0]
     model.recompute_blocks = 2
     loss = model(x, y)[1]
-    nodes, stack, seen = [], [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or not hasattr(node, "next_edges"):
-            continue
-        seen.add(id(node))
-        nodes.append(node)
-        stack.extend(e[0] for e in node.next_edges if e is not None)
+    nodes = graph_nodes(loss)
     blocks = [n for n in nodes if isinstance(n, RecomputedBlock)]
     assert len(blocks) == 2
     assert [sum(a is not None for a in n.saved) for n in blocks] in ([2, 1], [1, 2])  # block 0 has no h

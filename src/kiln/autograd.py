@@ -250,6 +250,20 @@ def backward_outputs(outputs, grads, retain_graph: bool = False) -> None:
     _backward_from(node, seeds, retain_graph)
 
 
+def graph_nodes(t) -> list:
+    """Every op node of the graph below tensor t (depth first, each once; AccumulateGrad leaves out):
+    what a graph keeps for backward can be read from their saved arrays."""
+    nodes, stack, seen = [], [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or isinstance(node, AccumulateGrad):
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        stack.extend(e[0] for e in node.next_edges if e is not None)
+    return nodes
+
+
 def _backward_from(root_node, seeds: dict, retain_graph: bool) -> None:
     """Run the graph below root_node in reverse topological order, from seeds {output number: gradient}."""
     # Count, for every node below the root, how many edges lead into it.
