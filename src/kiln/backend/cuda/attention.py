@@ -13,20 +13,34 @@ and row strides (unit stride along D), so q, k, v can be views of c_attn's packe
 output and dq, dk, dv views of its gradient (ops/attention.py), with no permute copies. The
 output is allocated [B, T, H, D] and returned as its [B, H, T, D] view: the [B, T, C] that
 c_proj reads is then a free reshape.
+
+The bfloat16/float16 forward has a second kernel with flash-attention 3's structure
+(`attention_fwd_tma`: a TMA producer warpgroup, a ring of K/V stages guarded by mbarriers, two
+consumer warpgroups of 64 rows, 128-key tiles in dynamic shared memory), chosen with
+KILN_ATTENTION_FWD=tma at head dims 64 and 128; the default is the one-warpgroup kernel.
 """
 
 from __future__ import annotations
+
+import os
 
 from kiln.backend.cpu import attention as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
 from kiln.backend.cuda.launch import cdiv, cpu_fallback, ctype, f32, get_kernel, i32, i64
-from kiln.errors import ShapeError
+from kiln.backend.cuda.tma import tile_map
+from kiln.errors import ConfigError, ShapeError
 
 ATTENTION_HEAD_DIMS = (32, 64, 128)
 TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 warps x 16 (kTcRows)
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
+FWD_VARIANTS = ("wgmma", "tma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
+TMA_HEAD_DIMS = (64, 128)
+TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer warpgroups (kTmaThreads)
+TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
+TMA_KEYS = 128  # keys per K/V tile (kTmaKeys)
+TMA_STAGES = {64: 3, 128: 2}  # K/V stages in shared memory (TmaFwdShape::STAGES)
 
 
 def _instantiations():
@@ -39,11 +53,29 @@ def _instantiations():
             out += [f"attention_fwd_tc<{t}, {d}>", f"attention_bwd_dkdv_tc<{t}, {d}>",
                     f"attention_bwd_dq_tc<{t}, {d}>"]
         out += [f"attention_bwd_delta<{t}, {d}>" for t in FLOAT_CTYPES]
+    out += [f"attention_fwd_tma<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in TMA_HEAD_DIMS]
     return out
 
 
 register_family("attention.cu", _instantiations(), defines={
-    "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS})
+    "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS,
+    "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
+    "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128]})
+
+
+def fwd_variant() -> str:
+    """The bf16/fp16 forward kernel KILN_ATTENTION_FWD names (default "wgmma")."""
+    v = os.environ.get("KILN_ATTENTION_FWD", "wgmma")
+    if v not in FWD_VARIANTS:
+        raise ConfigError(f"KILN_ATTENTION_FWD must be one of {', '.join(FWD_VARIANTS)}, got {v!r}")
+    return v
+
+
+def tma_shared_bytes(d: int) -> int:
+    """attention_fwd_tma's dynamic shared memory: Q's tile, K and V per stage, the mbarriers
+    (q_full, full and empty per stage), and 1024 bytes to align the base for the swizzle."""
+    stages = TMA_STAGES[d]
+    return TMA_ROWS * d * 2 + 2 * stages * TMA_KEYS * d * 2 + 8 * (1 + 2 * stages) + 1024
 
 
 def _tensor_cores(t: str) -> bool:
@@ -148,6 +180,12 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     n_k = k.shape[2]
     out = _bthd(q.shape, q.dtype)
     lse = cp.empty((b, h, n_q), dtype=cp.float32)
+    if tc and d in TMA_HEAD_DIMS and fwd_variant() == "tma":
+        get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}>")(
+            (cdiv(n_q, TMA_ROWS), b * h), (TMA_THREADS,),
+            (tile_map(q, TMA_ROWS), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS), out, lse, i32(n_q), i32(n_k),
+             i32(off), i32(h), f32(scale), *_args(_strides(out))), shared_mem=tma_shared_bytes(d))
+        return out, lse
     if tc:
         name, bq, threads = f"attention_fwd_tc<{t}, {d}>", TC_ROWS, TC_THREADS
     else:

@@ -125,6 +125,9 @@ def cpu_fallback(fn, *args):
     return to_device(fn(*[to_host(a) for a in args]))
 
 
+STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory past this needs the kernel's opt-in attribute
+
+
 class Kernel:
     """One compiled kernel; calling it launches on kiln's stream."""
 
@@ -132,6 +135,7 @@ class Kernel:
         self.family = family
         self.expr = expr
         self._fn = function
+        self._dynamic_shared = STATIC_SHARED_LIMIT  # what the kernel may use without opting in
 
     def __call__(self, grid, block, args, shared_mem: int = 0):
         from kiln.backend.cuda import device
@@ -139,6 +143,9 @@ class Kernel:
         block = tuple(int(b) for b in block) if isinstance(block, tuple) else (int(block),)
         if any(g <= 0 for g in grid):
             return  # an empty launch (zero rows): nothing to do
+        if shared_mem > self._dynamic_shared:  # cudaFuncSetAttribute(MaxDynamicSharedMemorySize), once
+            self._fn.max_dynamic_shared_size_bytes = int(shared_mem)
+            self._dynamic_shared = int(shared_mem)
         self._fn(grid, block, args, shared_mem=shared_mem, stream=device.stream())
 
 

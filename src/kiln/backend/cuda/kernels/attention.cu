@@ -1195,3 +1195,212 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
     }
     frag_store<T, D>(dq + head_offset(blockIdx.y, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
 }
+
+// ---- Forward with flash-attention 3's structure (Shah et al. 2024): TMA, mbarriers, warp specialisation
+//
+// 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives up registers
+// (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor,
+// tensor maps built on the host with cuTensorMapEncodeTiled, passed as __grid_constant__ kernel
+// parameters): Q's 128 rows once, then K and V tiles of BN = 128 keys into a ring of kStages
+// shared-memory stages. Warpgroups 1 and 2 are the consumers (setmaxnreg.inc to
+// kTmaConsumerRegs), 64 query rows each: per tile S = Q·Kᵀ (wgmma, Q's A fragments read once from
+// shared memory), the online softmax, O += P·V. The two consumers run the same loop on different
+// rows, so the warp schedulers overlap one's softmax with the other's products.
+// Synchronisation is by mbarriers with phase bits: full[s] completes when the producer's
+// arrive.expect_tx and the TMA bytes of stage s have landed (tile it uses stage it % kStages, phase
+// (it / kStages) & 1); empty[s] completes when all 256 consumer threads have arrived after their
+// products on stage s are done, and the producer waits on it before refilling the stage. TMA writes
+// each 64-column block of a tile with the 128-byte swizzle, which is SwTile's layout, so the wgmma
+// descriptors are the other kernels'. Rows past n_q or n_k arrive as zeros (TMA's out-of-bounds
+// fill) and are masked as in attention_fwd_tc. Dynamic shared memory: TmaFwdShape::SMEM bytes.
+
+constexpr int kTmaThreads = KILN_ATTN_TMA_THREADS;      // producer warpgroup + 2 consumer warpgroups
+constexpr int kTmaRows = KILN_ATTN_TMA_ROWS;            // query rows per block (2 x 64)
+constexpr int kTmaKeys = KILN_ATTN_TMA_KEYS;            // keys per K/V tile
+constexpr int kTmaProducerRegs = 24;
+constexpr int kTmaConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 65536
+
+template <int D> struct TmaFwdShape {
+    static constexpr int STAGES = D >= 128 ? KILN_ATTN_TMA_STAGES_D128 : KILN_ATTN_TMA_STAGES;
+    static constexpr int Q_BYTES = SwTile<kTmaRows, D>::BYTES;
+    static constexpr int KV_BYTES = SwTile<kTmaKeys, D>::BYTES;
+    // Q, then per stage K and V, then the mbarriers (q_full, full[STAGES], empty[STAGES]).
+    static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
+};
+
+// A CUtensorMap: 128 opaque bytes, 64-byte aligned, passed by value as a __grid_constant__ parameter.
+struct __align__(64) TmaMap {
+    u64 v[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` has completed (a fresh barrier is in phase 0: waiting
+// for parity 1, the phase before it, returns at once).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// TMA: the box at (c0 columns, c1 rows, c2 head, c3 batch) of the tensor map into shared memory
+// at dst, completing `bar`'s transaction bytes.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap& map, int c0, int c1, int c2, int c3, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+
+// Rows [r0, r0 + R) of a [n, D] operand (its tensor map) into the SwTile at dst: one TMA box of 64
+// columns (128 bytes, the swizzle's width) per column block.
+template <int R, int D>
+__device__ __forceinline__ void tma_tile(u32 dst, const TmaMap& map, int r0, int h, int b, u32 bar) {
+    using Tile = SwTile<R, D>;
+#pragma unroll
+    for (int cb = 0; cb < D / Tile::CW; ++cb) tma_load_4d(dst + cb * R * Tile::SW, map, cb * Tile::CW, r0, h, b, bar);
+}
+
+// The A fragments of rows [row0, row0 + 16) of the SwTile at shared address tile (16-bit elements).
+template <int R, int D>
+__device__ __forceinline__ void frag_load_a_smem(u32 (&a)[D / 16][4], u32 tile, int row0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int r_lo = row0 + g, r_hi = r_lo + 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int ch = kk * 2, in = 4 * c;  // chunk of columns kk*16.., byte offset of column 2c in it
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a[kk][0]) : "r"(tile + SwTile<R, D>::chunk(r_lo, ch) + in));
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a[kk][1]) : "r"(tile + SwTile<R, D>::chunk(r_hi, ch) + in));
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a[kk][2]) : "r"(tile + SwTile<R, D>::chunk(r_lo, ch + 1) + in));
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a[kk][3]) : "r"(tile + SwTile<R, D>::chunk(r_hi, ch + 1) + in));
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    attention_fwd_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+                      const __grid_constant__ TmaMap v_map, T* __restrict__ out, float* __restrict__ lse, int n_q,
+                      int n_k, int off, int n_h, float scale, KILN_LAYOUT(o)) {
+    constexpr int BN = kTmaKeys;
+    using Shape = TmaFwdShape<D>;
+    constexpr int S = Shape::STAGES;
+    using KvTile = SwTile<BN, D>;
+    extern __shared__ unsigned char dsmem[];
+    const u32 base = align1024(dsmem);
+    const u32 qs = base, ks = base + Shape::Q_BYTES, vs = ks + S * Shape::KV_BYTES;
+    const u32 q_full = base + Shape::BAR_OFFSET, full = q_full + 8, empty = full + 8 * S;
+    const int bh = blockIdx.y, hd = bh % n_h, bt = bh / n_h;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kTmaRows;  // the longest rows first
+    const int k_end = min(n_k, min(m0 + kTmaRows, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < S; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, kTmaThreads - 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {  // the producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
+        if (threadIdx.x != 0) return;
+        mbar_expect_tx(q_full, Shape::Q_BYTES);
+        tma_tile<kTmaRows, D>(qs, q_map, m0, hd, bt, q_full);
+        for (int it = 0; it < n_tiles; ++it) {
+            const int s = it % S;
+            mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);  // the consumers are done with tile it - S
+            mbar_expect_tx(full + 8 * s, 2 * Shape::KV_BYTES);
+            tma_tile<BN, D>(ks + s * Shape::KV_BYTES, k_map, it * BN, hd, bt, full + 8 * s);
+            tma_tile<BN, D>(vs + s * Shape::KV_BYTES, v_map, it * BN, hd, bt, full + 8 * s);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4, g = lane >> 2, c = lane & 3;
+    const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;  // warps 0-3: rows 0-63, 4-7: 64-127
+    const float sl2 = scale * kLog2e;
+    mbar_wait(q_full, 0);
+    u32 qa[D / 16][4];
+    frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
+    float o[D / 8][4];
+    zero_acc(o);
+    float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
+    for (int it = 0; it < n_tiles; ++it) {
+        const int n0 = it * BN, s = it % S;
+        const u32 kb = ks + s * Shape::KV_BYTES, vb = vs + s * Shape::KV_BYTES;
+        mbar_wait(full + 8 * s, (it / S) & 1);
+        float sc[BN / 8][4];
+        zero_acc(sc);
+        wg_mma<T, BN, D, BN, D, 0>(sc, qa, kb);
+        // some key of this tile is hidden from some row of this warp
+        const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;
+        float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + j * 8 + 2 * c + (e & 1);
+                const int row = e < 2 ? r_lo : r_hi;
+                sc[j][e] = (edge && (key > row + off || key >= n_k)) ? -KILN_INF : sc[j][e] * sl2;
+            }
+            mx_lo = fmaxf(mx_lo, fmaxf(sc[j][0], sc[j][1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(sc[j][2], sc[j][3]));
+        }
+#pragma unroll
+        for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o_));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o_));
+        }
+        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
+        const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
+        const float a_lo = ex2(m_lo - sub_lo), a_hi = ex2(m_hi - sub_hi);
+        m_lo = mn_lo;
+        m_hi = mn_hi;
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            sc[j][0] = ex2(sc[j][0] - sub_lo);
+            sc[j][1] = ex2(sc[j][1] - sub_lo);
+            sc[j][2] = ex2(sc[j][2] - sub_hi);
+            sc[j][3] = ex2(sc[j][3] - sub_hi);
+            sum_lo += sc[j][0] + sc[j][1];
+            sum_hi += sc[j][2] + sc[j][3];
+        }
+        l_lo = l_lo * a_lo + sum_lo;  // this lane's part of the row sum; the quad is summed at the end
+        l_hi = l_hi * a_hi + sum_hi;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[j][0] *= a_lo;
+            o[j][1] *= a_lo;
+            o[j][2] *= a_hi;
+            o[j][3] *= a_hi;
+        }
+        u32 pa[BN / 16][4];
+        c_to_a<T, BN>(pa, sc);
+        wg_mma<T, D, BN, BN, D, 1>(o, pa, vb);
+        mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
+    }
+#pragma unroll
+    for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
+        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
+    }
+    frag_store<T, D>(out + head_offset(bh, n_h, o_sb, o_sh), (int)o_st, o, row0, n_q, 1.0f / l_lo, 1.0f / l_hi);
+    if (c == 0) {
+        const long long lb = (long long)bh * n_q;
+        if (r_lo < n_q) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
+        if (r_hi < n_q) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
+    }
+}
