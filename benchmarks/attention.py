@@ -1,12 +1,14 @@
 """kiln's attention kernels against PyTorch SDPA on the same GPU, in one process, at the paper's shapes.
 
-    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--out FILE]
+    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--fwd wgmma,tma] [--out FILE]
 
 Causal attention, forward and forward+backward, per B x H x T x D (Appendix B.1-B.2: B x H x D
 from 1x12x64 to 16x12x64, 8x16x64, 4x32x128; T from 512 to 16384, 16384 tokens a batch on the
 12x64 sweep): median milliseconds (CUDA events, after warm-up) and TFLOP/s of kiln and of
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
-choice), and their ratio. FLOPs count the causal half: forward 4 B H T^2 D / 2, backward 2.5x
+choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
+(KILN_ATTENTION_FWD: wgmma, the default, or tma, flash-attention 3's structure) against the same
+SDPA timing. FLOPs count the causal half: forward 4 B H T^2 D / 2, backward 2.5x
 that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).
 """
 
@@ -40,7 +42,7 @@ SHAPES = [  # (B, H, T, D)
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
 
 
-def bench_shape(k, shape, dtype, iters):
+def bench_shape(k, shape, dtype, iters, fwd_kernels):
     import torch
     import torch.nn.functional as F
     b, h, t, d = shape
@@ -64,12 +66,16 @@ def bench_shape(k, shape, dtype, iters):
             ("fwd", lambda: k.attention_fwd(q, kk, v, scale),
              lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(), is_causal=True), flops_fwd),
             ("fwd+bwd", kiln_fwd_bwd, torch_fwd_bwd, 3.5 * flops_fwd)):
-        kms, tms = median_ms(kfn, iters, "kiln"), median_ms(tfn, iters, "torch")
-        row = {"op": op, "dtype": np.dtype(dtype).name, "shape": list(shape), "kiln_ms": kms, "torch_ms": tms,
-               "kiln_tflops": flops / kms / 1e9, "torch_tflops": flops / tms / 1e9, "ratio": tms / kms}
-        print(f"{'x'.join(map(str, shape)):18s} {op:8s} {row['dtype']:9s} {kms:9.3f} {tms:9.3f} "
-              f"{row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} {row['ratio']:6.2f}x", flush=True)
-        rows.append(row)
+        tms = median_ms(tfn, iters, "torch")
+        for fwd_kernel in fwd_kernels:
+            os.environ["KILN_ATTENTION_FWD"] = fwd_kernel
+            kms = median_ms(kfn, iters, "kiln")
+            row = {"op": op, "dtype": np.dtype(dtype).name, "shape": list(shape), "fwd_kernel": fwd_kernel,
+                   "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
+                   "torch_tflops": flops / tms / 1e9, "ratio": tms / kms}
+            print(f"{'x'.join(map(str, shape)):18s} {op:8s} {row['dtype']:9s} {fwd_kernel:6s} {kms:9.3f} {tms:9.3f} "
+                  f"{row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} {row['ratio']:6.2f}x", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -77,6 +83,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtypes", default="bf16", help="comma-separated: " + ",".join(DTYPES))
+    p.add_argument("--fwd", default="wgmma", help="comma-separated bf16/fp16 forward kernels: wgmma,tma")
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -87,12 +94,12 @@ def main(argv=None) -> int:
         print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)
         return 2
     k = kiln.backend.get_backend("cuda")
-    print(f"{'B x H x T x D':18s} {'op':8s} {'dtype':9s} {'kiln ms':>9s} {'sdpa ms':>9s} {'kiln':>8s} {'sdpa':>8s} "
+    print(f"{'B x H x T x D':18s} {'op':8s} {'dtype':9s} {'fwd':6s} {'kiln ms':>9s} {'sdpa ms':>9s} {'kiln':>8s} {'sdpa':>8s} "
           f"{'ratio':>7s}  (TFLOP/s; ratio = sdpa ms / kiln ms)")
     rows = []
     for name in args.dtypes.split(","):
         for shape in SHAPES:
-            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters)
+            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","))
     root = Path(__file__).resolve().parents[1]
     result = {"benchmark": "attention", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -20,7 +20,9 @@
 # capture76 (issue 14: the 76-layer fp32 step captured as one graph, every allocation logged to
 # capture76-trace.json and replayed through the allocator on the CPU at the device's free bytes),
 # largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off
-# and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit).
+# and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit),
+# attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma: its tests with
+# the ptxas report of its compile, then benchmarks/attention.py with both forwards against SDPA, bf16).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -72,6 +74,13 @@ for p in "$@"; do
         largest) part largest_model 570 python3 benchmarks/largest_model.py ;;
         largest-tests) part largest-tests 200 python3 -m pytest -q -m cuda -p no:cacheprovider \
                            tests/test_adamw_in_backward.py ;;
+        attention-tma) part attention-tma-compile 60 python3 -c "from kiln.backend.cuda import attention, compiler; \
+                           r = compiler.compile_family('attention.cu', 'sm_90a', verbose_ptxas=True); \
+                           rep = compiler.ptxas_report(r.log); \
+                           [print(e, rep[m]) for e, m in r.lowered.items() if 'fwd' in e]"
+                       part attention-tma-tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                           tests/test_op_attention.py -k tma
+                       part attention-tma-bench 400 python3 benchmarks/attention.py --fwd wgmma,tma ;;
         *) echo "unknown part $p" ;;
     esac
 done

@@ -215,3 +215,106 @@ def test_attention_rejects_a_negative_causal_offset_and_mismatched_blocks():
         _mask_offset(q, k, True, -1)
     with pytest.raises(ShapeError, match="k, v"):
         _mask_offset(q, np.zeros((1, 3, 6, 8)), True, 0)
+
+
+# --- the forward with flash-attention 3's structure (KILN_ATTENTION_FWD=tma) ---------------
+
+TMA_DTYPES = [ml_dtypes.bfloat16, np.float16]
+TMA_DTYPE_IDS = ["bf16", "fp16"]
+
+
+@pytest.fixture
+def tma(monkeypatch):
+    monkeypatch.setenv("KILN_ATTENTION_FWD", "tma")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(2, 3, 65, 64), (1, 2, 200, 128), (1, 12, 1024, 64), (2, 12, 512, 64),
+                                   (1, 4, 2048, 128),
+                                   pytest.param((1, 1, 16384, 64), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=TMA_DTYPE_IDS)
+def test_attention_fwd_tma_matches_the_cpu_reference(gpu, rng, tma, shape, causal, dtype):
+    q, k, v = (rand(shape, dtype, rng) for _ in range(3))
+    scale = 1.0 / math.sqrt(shape[-1])
+    out, lse = gpu.attention_fwd(gpu.asarray(q), gpu.asarray(k), gpu.asarray(v), scale, causal=causal)
+    rout, rlse = cpu.attention_fwd(f64(q), f64(k), f64(v), scale, causal=causal)
+    close(gpu, out, rout, dtype)
+    close(gpu, lse, rlse, np.float32, factor=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=TMA_DTYPE_IDS)
+def test_attention_fwd_tma_blocks_of_other_lengths_and_offsets(gpu, rng, tma, block, d, dtype):
+    tq, tk, causal, offset = block
+    q = rand((2, 3, tq, d), dtype, rng)
+    k, v = (rand((2, 3, tk, d), dtype, rng) for _ in range(2))
+    scale = 1.0 / math.sqrt(d)
+    out, lse = gpu.attention_fwd(gpu.asarray(q), gpu.asarray(k), gpu.asarray(v), scale, causal=causal, offset=offset)
+    rout, rlse = cpu.attention_fwd(f64(q), f64(k), f64(v), scale, causal=causal, offset=offset)
+    close(gpu, out, rout, dtype)
+    close(gpu, lse, rlse, np.float32, factor=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(16, 12, 1024, 64), (8, 16, 1024, 64), (4, 32, 2048, 128)])
+def test_attention_fwd_tma_agrees_with_the_default_forward_at_the_papers_shapes(gpu, rng, monkeypatch, shape):
+    """At the paper's whole shapes (too large for the float64 reference) against the one-warpgroup kernel."""
+    q, k, v = (gpu.asarray(rand(shape, ml_dtypes.bfloat16, rng)) for _ in range(3))
+    scale = 1.0 / math.sqrt(shape[-1])
+    ref, rlse = (gpu.to_numpy(a).astype(np.float64) for a in gpu.attention_fwd(q, k, v, scale))
+    monkeypatch.setenv("KILN_ATTENTION_FWD", "tma")
+    out, lse = gpu.attention_fwd(q, k, v, scale)
+    close(gpu, out, ref, ml_dtypes.bfloat16)
+    close(gpu, lse, rlse, np.float32, factor=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_fwd_tma_reads_packed_views_and_is_bitwise_repeatable(gpu, rng, tma, d):
+    """q, k, v as views of one [B, T, 3, H, D] buffer give, bit for bit, what contiguous copies
+    give, and two runs give the same bits."""
+    b, h, t = 2, 3, 300
+    xp = gpu.xp
+    qkv = gpu.asarray(rand((b, t, 3, h, d), ml_dtypes.bfloat16, rng))
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    runs = [[gpu.to_numpy(a) for a in gpu.attention_fwd(q, k, v, 0.125)] for _ in range(2)]
+    runs.append([gpu.to_numpy(a) for a in gpu.attention_fwd(*(xp.ascontiguousarray(a) for a in (q, k, v)), 0.125)])
+    for other in runs[1:]:
+        for a, b_ in zip(runs[0], other):
+            assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
+
+
+def test_attention_fwd_variant_is_named_by_the_environment(monkeypatch):
+    from kiln.backend.cuda.attention import fwd_variant
+    from kiln.errors import ConfigError
+    monkeypatch.delenv("KILN_ATTENTION_FWD", raising=False)
+    assert fwd_variant() == "wgmma"
+    monkeypatch.setenv("KILN_ATTENTION_FWD", "tma")
+    assert fwd_variant() == "tma"
+    monkeypatch.setenv("KILN_ATTENTION_FWD", "fa3")
+    with pytest.raises(ConfigError, match="one of wgmma, tma, got 'fa3'"):
+        fwd_variant()
+
+
+def test_attention_fwd_tma_fits_in_shared_memory():
+    """Q, the K/V stages and the mbarriers fit the H200's 227 KiB of shared memory a block, with the
+    1024 bytes that align the swizzled tiles."""
+    from kiln.backend.cuda.attention import TMA_HEAD_DIMS, tma_shared_bytes
+    assert [tma_shared_bytes(d) for d in TMA_HEAD_DIMS] == [115768, 164904]
+    assert all(tma_shared_bytes(d) <= 227 * 1024 for d in TMA_HEAD_DIMS)
+
+
+def test_tma_map_strides_of_packed_views_and_unit_axes():
+    """A [B, H, T, D] view of a packed [B, T, 3, H, D] bf16 buffer keeps its strides; an axis of
+    length 1 gets the extent of the axes inside it; strides TMA cannot take are refused."""
+    from kiln.backend.cuda.tma import strides_bytes
+    b, t, h, d = 2, 5, 3, 64
+    view = np.zeros((b, t, 3, h, d), dtype=np.float16)[:, :, 0].transpose(0, 2, 1, 3)
+    assert strides_bytes(view.shape, view.strides, 2) == [3 * h * d * 2, d * 2, t * 3 * h * d * 2]
+    one = np.zeros((1, 1, t, d), dtype=np.float16)
+    assert strides_bytes(one.shape, one.strides, 2) == [d * 2, t * d * 2, t * d * 2]
+    with pytest.raises(ShapeError, match="multiples of 16 bytes, got 72 bytes"):
+        strides_bytes((1, 1, 4, 32), (0, 0, 72, 2), 2)
