@@ -17,7 +17,8 @@ c_proj reads is then a free reshape.
 The bfloat16/float16 forward has a second kernel with flash-attention 3's structure
 (`attention_fwd_tma`: a TMA producer warpgroup, a ring of K/V stages guarded by mbarriers, two
 consumer warpgroups of 64 rows, 128-key tiles in dynamic shared memory), chosen with
-KILN_ATTENTION_FWD=tma at head dims 64 and 128; the default is the one-warpgroup kernel.
+KILN_ATTENTION_FWD=tma (or tma-pingpong: the consumers take turns at the tensor cores) at head
+dims 64 and 128; the default is the one-warpgroup kernel.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ ATTENTION_HEAD_DIMS = (32, 64, 128)
 TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 warps x 16 (kTcRows)
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
-FWD_VARIANTS = ("wgmma", "tma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
+FWD_VARIANTS = ("wgmma", "tma", "tma-pingpong")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
 TMA_HEAD_DIMS = (64, 128)
 TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer warpgroups (kTmaThreads)
 TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
 TMA_KEYS = 128  # keys per K/V tile (kTmaKeys)
-TMA_STAGES = {64: 3, 128: 2}  # K/V stages in shared memory (TmaFwdShape::STAGES)
+TMA_STAGES = {64: 4, 128: 3}  # K/V stages in shared memory (TmaFwdShape::STAGES)
 
 
 def _instantiations():
@@ -53,7 +54,8 @@ def _instantiations():
             out += [f"attention_fwd_tc<{t}, {d}>", f"attention_bwd_dkdv_tc<{t}, {d}>",
                     f"attention_bwd_dq_tc<{t}, {d}>"]
         out += [f"attention_bwd_delta<{t}, {d}>" for t in FLOAT_CTYPES]
-    out += [f"attention_fwd_tma<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in TMA_HEAD_DIMS]
+    out += [f"attention_fwd_tma<{t}, {d}, {pp}>" for t in FLOAT_CTYPES[1:] for d in TMA_HEAD_DIMS
+            for pp in ("false", "true")]
     return out
 
 
@@ -180,8 +182,10 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     n_k = k.shape[2]
     out = _bthd(q.shape, q.dtype)
     lse = cp.empty((b, h, n_q), dtype=cp.float32)
-    if tc and d in TMA_HEAD_DIMS and fwd_variant() == "tma":
-        get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}>")(
+    variant = fwd_variant() if tc and d in TMA_HEAD_DIMS else "wgmma"
+    if variant != "wgmma":
+        pingpong = "true" if variant == "tma-pingpong" else "false"
+        get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}, {pingpong}>")(
             (cdiv(n_q, TMA_ROWS), b * h), (TMA_THREADS,),
             (tile_map(q, TMA_ROWS), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS), out, lse, i32(n_q), i32(n_k),
              i32(off), i32(h), f32(scale), *_args(_strides(out))), shared_mem=tma_shared_bytes(d))

@@ -1201,24 +1201,31 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives up registers
 // (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor,
 // tensor maps built on the host with cuTensorMapEncodeTiled, passed as __grid_constant__ kernel
-// parameters): Q's 128 rows once, then K and V tiles of BN = 128 keys into a ring of kStages
+// parameters): Q's 128 rows once, then K and V tiles of BN = 128 keys into a ring of STAGES
 // shared-memory stages. Warpgroups 1 and 2 are the consumers (setmaxnreg.inc to
-// kTmaConsumerRegs), 64 query rows each: per tile S = Q·Kᵀ (wgmma, Q's A fragments read once from
-// shared memory), the online softmax, O += P·V. The two consumers run the same loop on different
-// rows, so the warp schedulers overlap one's softmax with the other's products.
+// kTmaConsumerRegs), 64 query rows each, Q's A fragments read once from shared memory. Iteration
+// it issues S(it) = Q·K(it)ᵀ and then O += P(it - 1)·V(it - 1) (wgmma), waits for S only, runs the
+// online softmax of S(it) while the P·V product runs, then waits for it, frees stage it - 1,
+// rescales O and packs P(it) (flash-attention 3's overlap inside a warpgroup).
+// PingPong: the two consumers take turns at issuing their products (named barriers 1 and 2, the
+// turn passed on as soon as the products are issued), so that one's softmax runs while the
+// other's products do (flash-attention 3's ping-pong); without it the warp schedulers interleave
+// the two freely.
 // Synchronisation is by mbarriers with phase bits: full[s] completes when the producer's
-// arrive.expect_tx and the TMA bytes of stage s have landed (tile it uses stage it % kStages, phase
-// (it / kStages) & 1); empty[s] completes when all 256 consumer threads have arrived after their
+// arrive.expect_tx and the TMA bytes of stage s have landed (tile it uses stage it % STAGES, phase
+// (it / STAGES) & 1); empty[s] completes when all 256 consumer threads have arrived after their
 // products on stage s are done, and the producer waits on it before refilling the stage. TMA writes
 // each 64-column block of a tile with the 128-byte swizzle, which is SwTile's layout, so the wgmma
 // descriptors are the other kernels'. Rows past n_q or n_k arrive as zeros (TMA's out-of-bounds
-// fill) and are masked as in attention_fwd_tc. Dynamic shared memory: TmaFwdShape::SMEM bytes.
+// fill) and are masked as in attention_fwd_tc. Dynamic shared memory: the launcher's
+// tma_shared_bytes (TmaFwdShape's tiles and barriers, and 1024 bytes to align them).
 
 constexpr int kTmaThreads = KILN_ATTN_TMA_THREADS;      // producer warpgroup + 2 consumer warpgroups
 constexpr int kTmaRows = KILN_ATTN_TMA_ROWS;            // query rows per block (2 x 64)
 constexpr int kTmaKeys = KILN_ATTN_TMA_KEYS;            // keys per K/V tile
 constexpr int kTmaProducerRegs = 24;
 constexpr int kTmaConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 65536
+constexpr int kTmaTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and 1's turn (ping-pong)
 
 template <int D> struct TmaFwdShape {
     static constexpr int STAGES = D >= 128 ? KILN_ATTN_TMA_STAGES_D128 : KILN_ATTN_TMA_STAGES;
@@ -1250,6 +1257,15 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
+}
+
+// Named barriers of the 256 consumer threads (barrier 0 is __syncthreads'): sync waits for the
+// other consumer's arrival, arrive does not wait.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // TMA: the box at (c0 columns, c1 rows, c2 head, c3 batch) of the tensor map into shared memory
@@ -1285,7 +1301,53 @@ __device__ __forceinline__ void frag_load_a_smem(u32 (&a)[D / 16][4], u32 tile, 
     }
 }
 
-template <typename T, int D>
+// The online softmax of one tile of scores sc (keys n0.., this thread's rows r_lo and r_hi of the
+// warp's rows row0..row0 + 15), in place: sc becomes the unnormalised probabilities, m and l the
+// running row max (log2 units) and this lane's part of the row sum, a the factor O is rescaled by.
+template <int BN>
+__device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0, int row0, int r_lo, int r_hi, int c,
+                                                 int off, int n_k, float sl2, float& m_lo, float& m_hi, float& l_lo,
+                                                 float& l_hi, float& a_lo, float& a_hi) {
+    const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key hidden from some row of the warp
+    float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = n0 + j * 8 + 2 * c + (e & 1);
+            const int row = e < 2 ? r_lo : r_hi;
+            sc[j][e] = (edge && (key > row + off || key >= n_k)) ? -KILN_INF : sc[j][e] * sl2;
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(sc[j][0], sc[j][1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(sc[j][2], sc[j][3]));
+    }
+#pragma unroll
+    for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o_));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o_));
+    }
+    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
+    const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
+    a_lo = ex2(m_lo - sub_lo);
+    a_hi = ex2(m_hi - sub_hi);
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        sc[j][0] = ex2(sc[j][0] - sub_lo);
+        sc[j][1] = ex2(sc[j][1] - sub_lo);
+        sc[j][2] = ex2(sc[j][2] - sub_hi);
+        sc[j][3] = ex2(sc[j][3] - sub_hi);
+        sum_lo += sc[j][0] + sc[j][1];
+        sum_hi += sc[j][2] + sc[j][3];
+    }
+    l_lo = l_lo * a_lo + sum_lo;  // the quad's parts are summed at the end
+    l_hi = l_hi * a_hi + sum_hi;
+}
+
+template <typename T, int D, bool PingPong>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_fwd_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                       const __grid_constant__ TmaMap v_map, T* __restrict__ out, float* __restrict__ lse, int n_q,
@@ -1333,53 +1395,43 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     mbar_wait(q_full, 0);
     u32 qa[D / 16][4];
     frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
+    const int me = wg - 1;  // consumer 0 (rows 0-63) or 1 (rows 64-127)
+    if (PingPong && me == 1) named_arrive(kTmaTurnBarrier, 256);  // consumer 0 takes the first turn
     float o[D / 8][4];
     zero_acc(o);
-    float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
-    for (int it = 0; it < n_tiles; ++it) {
-        const int n0 = it * BN, s = it % S;
-        const u32 kb = ks + s * Shape::KV_BYTES, vb = vs + s * Shape::KV_BYTES;
-        mbar_wait(full + 8 * s, (it / S) & 1);
+    u32 pa[BN / 16][4];  // P(it - 1), the A operand of the product issued with S(it)
+    float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f, a_lo, a_hi;
+    // Every wgmma below is issued unconditionally between its waits, so that ptxas can see which
+    // product a wait completes (a conditional issue made it serialise them: C7514).
+    {
         float sc[BN / 8][4];
         zero_acc(sc);
-        wg_mma<T, BN, D, BN, D, 0>(sc, qa, kb);
-        // some key of this tile is hidden from some row of this warp
-        const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;
-        float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + j * 8 + 2 * c + (e & 1);
-                const int row = e < 2 ? r_lo : r_hi;
-                sc[j][e] = (edge && (key > row + off || key >= n_k)) ? -KILN_INF : sc[j][e] * sl2;
-            }
-            mx_lo = fmaxf(mx_lo, fmaxf(sc[j][0], sc[j][1]));
-            mx_hi = fmaxf(mx_hi, fmaxf(sc[j][2], sc[j][3]));
-        }
-#pragma unroll
-        for (int o_ = 1; o_ <= 2; o_ <<= 1) {
-            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o_));
-            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o_));
-        }
-        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-        // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
-        const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
-        const float a_lo = ex2(m_lo - sub_lo), a_hi = ex2(m_hi - sub_hi);
-        m_lo = mn_lo;
-        m_hi = mn_hi;
-        float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            sc[j][0] = ex2(sc[j][0] - sub_lo);
-            sc[j][1] = ex2(sc[j][1] - sub_lo);
-            sc[j][2] = ex2(sc[j][2] - sub_hi);
-            sc[j][3] = ex2(sc[j][3] - sub_hi);
-            sum_lo += sc[j][0] + sc[j][1];
-            sum_hi += sc[j][2] + sc[j][3];
-        }
-        l_lo = l_lo * a_lo + sum_lo;  // this lane's part of the row sum; the quad is summed at the end
-        l_hi = l_hi * a_hi + sum_hi;
+        fence_regs(sc);
+        mbar_wait(full, 0);
+        if (PingPong) named_sync(kTmaTurnBarrier + me, 256);  // this consumer's turn at the tensor cores
+        wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks);
+        if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
+        wg_wait<0>();
+        fence_regs(sc);
+        tma_softmax_tile<BN>(sc, 0, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+        c_to_a<T, BN>(pa, sc);
+    }
+    for (int it = 1; it < n_tiles; ++it) {
+        const int st = it % S, prev = (it - 1) % S;
+        float sc[BN / 8][4];
+        zero_acc(sc);
+        fence_regs(sc);  // zeroed before the products are issued, not while they run
+        mbar_wait(full + 8 * st, (it / S) & 1);
+        if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
+        wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + st * Shape::KV_BYTES);
+        wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + prev * Shape::KV_BYTES);
+        if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
+        wg_wait<1>();  // S(it) is done; P(it - 1)·V(it - 1) may still run
+        fence_regs(sc);
+        tma_softmax_tile<BN>(sc, it * BN, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+        wg_wait<0>();  // P(it - 1)·V(it - 1) is in o, and stage it - 1 is free
+        fence_regs(o);
+        mbar_arrive(empty + 8 * prev);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[j][0] *= a_lo;
@@ -1387,11 +1439,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             o[j][2] *= a_hi;
             o[j][3] *= a_hi;
         }
-        u32 pa[BN / 16][4];
         c_to_a<T, BN>(pa, sc);
-        wg_mma<T, D, BN, BN, D, 1>(o, pa, vb);
-        mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
     }
+    if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
+    wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + ((n_tiles - 1) % S) * Shape::KV_BYTES);
+    if (PingPong && me == 0) named_arrive(kTmaTurnBarrier + 1, 256);  // consumer 1's last turn
+    wg_wait<0>();
+    fence_regs(o);
 #pragma unroll
     for (int o_ = 1; o_ <= 2; o_ <<= 1) {
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
