@@ -21,18 +21,21 @@
 # capture76-trace.json and replayed through the allocator on the CPU at the device's free bytes),
 # largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off
 # and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit),
-# attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma: its tests with
-# the ptxas report of its compile, then benchmarks/attention.py with both forwards against SDPA, bf16).
+# attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
+# the forwards' ptxas report, a 2-minute smoke test, then its tests and benchmarks/attention.py with the three
+# forwards against SDPA, bf16, ~10 minutes at most: a call of its own).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 part() {  # part NAME SECONDS COMMAND...: run COMMAND with a time limit, its output into NAME.log
     local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
+    local t0=$SECONDS rc
     timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
-    echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
+    rc=$?
+    echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
     tail -n 4 "$LOGS/$name.log"
+    return $rc
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/summary.txt"
 for p in "$@"; do
@@ -74,13 +77,17 @@ for p in "$@"; do
         largest) part largest_model 570 python3 benchmarks/largest_model.py ;;
         largest-tests) part largest-tests 200 python3 -m pytest -q -m cuda -p no:cacheprovider \
                            tests/test_adamw_in_backward.py ;;
-        attention-tma) part attention-tma-compile 60 python3 -c "from kiln.backend.cuda import attention, compiler; \
+        attention-tma) part attention-tma-ptxas 60 python3 -c "from kiln.backend.cuda import attention, compiler; \
                            r = compiler.compile_family('attention.cu', 'sm_90a', verbose_ptxas=True); \
                            rep = compiler.ptxas_report(r.log); \
-                           [print(e, rep[m]) for e, m in r.lowered.items() if 'fwd' in e]"
-                       part attention-tma-tests 300 python3 -m pytest -q -m cuda -p no:cacheprovider \
-                           tests/test_op_attention.py -k tma
-                       part attention-tma-bench 400 python3 benchmarks/attention.py --fwd wgmma,tma ;;
+                           [print(e, rep[m]) for e, m in r.lowered.items() if 'fwd' in e]; \
+                           print(*(l for l in r.log.splitlines() if 'C75' in l), sep='\n')"
+                       # a hang or a fault shows here, in 2 minutes, before the long parts run
+                       part attention-tma-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
+                           tests/test_op_attention.py -k "tma_reads_packed" &&
+                       part attention-tma-tests 220 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                           tests/test_op_attention.py -k "tma" &&
+                       part attention-tma-bench 240 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong ;;
         *) echo "unknown part $p" ;;
     esac
 done

@@ -1355,7 +1355,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     constexpr int BN = kTmaKeys;
     using Shape = TmaFwdShape<D>;
     constexpr int S = Shape::STAGES;
-    using KvTile = SwTile<BN, D>;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
     const u32 qs = base, ks = base + Shape::Q_BYTES, vs = ks + S * Shape::KV_BYTES;
