@@ -12,6 +12,7 @@ out in shared memory with that swizzle, which is the wgmma operand layout of ker
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import numpy as np
@@ -72,18 +73,26 @@ def tile_map(a, rows: int) -> np.ndarray:
                          f"{BOX_COLUMNS} and unit stride along D, got {name} {tuple(a.shape)} strides {a.strides}")
     if rt.ptr(a) % 16:
         raise ShapeError(f"a TMA tensor map needs a 16-byte-aligned base address, got {rt.ptr(a):#x}")
-    b, h, t, d = a.shape
+    return _encode(rt.ptr(a), tuple(a.shape), tuple(a.strides), name, a.dtype.itemsize, rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _encode(address: int, shape: tuple, strides: tuple, name: str, itemsize: int, rows: int) -> np.ndarray:
+    """The map, a function of its arguments alone (so cached: encoding costs microseconds of host
+    time a call, which a small launch would otherwise wait for). Read-only to its callers."""
+    b, h, t, d = shape
     dims = (ctypes.c_uint64 * 4)(d, t, h, b)
-    strides = (ctypes.c_uint64 * 3)(*strides_bytes(a.shape, a.strides, a.dtype.itemsize))
+    byte_strides = (ctypes.c_uint64 * 3)(*strides_bytes(shape, strides, itemsize))
     box = (ctypes.c_uint32 * 4)(BOX_COLUMNS, rows, 1, 1)
     ones = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     raw = np.zeros(MAP_BYTES + 64, dtype=np.uint8)  # CUtensorMap is 64-byte aligned
     start = -raw.ctypes.data % 64
     out = raw[start:start + MAP_BYTES].view(np.dtype((np.void, MAP_BYTES)))
     status = _driver().cuTensorMapEncodeTiled(
-        out.ctypes.data, _DATA_TYPES[name], 4, rt.ptr(a), dims, strides, box, ones,
+        out.ctypes.data, _DATA_TYPES[name], 4, address, dims, byte_strides, box, ones,
         0, _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
     if status != 0:
-        raise DeviceError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {name} {tuple(a.shape)}, "
-                          f"strides {a.strides} (bytes), box {rows} x {BOX_COLUMNS}")
+        raise DeviceError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {name} {shape}, "
+                          f"strides {strides} (bytes), box {rows} x {BOX_COLUMNS}")
+    out.flags.writeable = False
     return out
