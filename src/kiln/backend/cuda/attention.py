@@ -16,7 +16,8 @@ c_proj reads is then a free reshape.
 
 The bfloat16/float16 forward has a second kernel with flash-attention 3's structure
 (`attention_fwd_tma`: a TMA producer warpgroup, a ring of K/V stages guarded by mbarriers, two
-consumer warpgroups of 64 rows, 128-key tiles in dynamic shared memory), chosen with
+consumer warpgroups of 64 rows, 128-key tiles in dynamic shared memory, persistent: one block per
+SM), chosen with
 KILN_ATTENTION_FWD=tma (or tma-pingpong: the consumers take turns at the tensor cores) at head
 dims 64 and 128; the default is the one-warpgroup kernel.
 """
@@ -75,9 +76,9 @@ def fwd_variant() -> str:
 
 def tma_shared_bytes(d: int) -> int:
     """attention_fwd_tma's dynamic shared memory: Q's tile, K and V per stage, the mbarriers
-    (q_full, full and empty per stage), and 1024 bytes to align the base for the swizzle."""
+    (q_full, q_empty, full and empty per stage), and 1024 bytes to align the base for the swizzle."""
     stages = TMA_STAGES[d]
-    return TMA_ROWS * d * 2 + 2 * stages * TMA_KEYS * d * 2 + 8 * (1 + 2 * stages) + 1024
+    return TMA_ROWS * d * 2 + 2 * stages * TMA_KEYS * d * 2 + 8 * (2 + 2 * stages) + 1024
 
 
 def _tensor_cores(t: str) -> bool:
@@ -185,10 +186,11 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     variant = fwd_variant() if tc and d in TMA_HEAD_DIMS else "wgmma"
     if variant != "wgmma":
         pingpong = "true" if variant == "tma-pingpong" else "false"
+        jobs = cdiv(n_q, TMA_ROWS) * b * h  # a persistent kernel: one block per SM walks the jobs
         get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}, {pingpong}>")(
-            (cdiv(n_q, TMA_ROWS), b * h), (TMA_THREADS,),
+            (min(jobs, rt.sm_count()),), (TMA_THREADS,),
             (tile_map(q, TMA_ROWS), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS), out, lse, i32(n_q), i32(n_k),
-             i32(off), i32(h), f32(scale), *_args(_strides(out))), shared_mem=tma_shared_bytes(d))
+             i32(off), i32(h), i32(b * h), f32(scale), *_args(_strides(out))), shared_mem=tma_shared_bytes(d))
         return out, lse
     if tc:
         name, bq, threads = f"attention_fwd_tc<{t}, {d}>", TC_ROWS, TC_THREADS

@@ -87,6 +87,18 @@ def arch() -> str:
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
+_sm_counts: dict = {}
+
+
+def sm_count() -> int:
+    """The current device's number of SMs (the grid of a persistent kernel)."""
+    dev = device_id()
+    n = _sm_counts.get(dev)
+    if n is None:
+        n = _sm_counts[dev] = int(cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    return n
+
+
 def device_name() -> str:
     """The current device's name, e.g. "NVIDIA H200" (the key of the profiler's cached ceilings)."""
     name = cupy().cuda.runtime.getDeviceProperties(device_id())["name"]

@@ -1198,11 +1198,15 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 
 // ---- Forward with flash-attention 3's structure (Shah et al. 2024): TMA, mbarriers, warp specialisation
 //
-// 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives up registers
+// A persistent kernel: one block per SM walks jobs (128 query rows of one head) blockIdx.x,
+// blockIdx.x + gridDim.x, ..., longest rows first, so that a job's first loads overlap the last
+// one's products and output (a block of this size is alone on its SM: its start-up is not hidden
+// by another block's work). 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives up registers
 // (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor,
 // tensor maps built on the host with cuTensorMapEncodeTiled, passed as __grid_constant__ kernel
-// parameters): Q's 128 rows once, then K and V tiles of BN = 128 keys into a ring of STAGES
-// shared-memory stages. Warpgroups 1 and 2 are the consumers (setmaxnreg.inc to
+// parameters): per job Q's 128 rows (once q_empty says both consumers hold the last job's Q in
+// registers), then K and V tiles of BN = 128 keys into a ring of STAGES shared-memory stages, the
+// ring's position carried from job to job. Warpgroups 1 and 2 are the consumers (setmaxnreg.inc to
 // kTmaConsumerRegs), 64 query rows each, Q's A fragments read once from shared memory. Iteration
 // it issues S(it) = Q·K(it)ᵀ and then O += P(it - 1)·V(it - 1) (wgmma), waits for S only, runs the
 // online softmax of S(it) while the P·V product runs, then waits for it, frees stage it - 1,
@@ -1231,7 +1235,7 @@ template <int D> struct TmaFwdShape {
     static constexpr int STAGES = D >= 128 ? KILN_ATTN_TMA_STAGES_D128 : KILN_ATTN_TMA_STAGES;
     static constexpr int Q_BYTES = SwTile<kTmaRows, D>::BYTES;
     static constexpr int KV_BYTES = SwTile<kTmaKeys, D>::BYTES;
-    // Q, then per stage K and V, then the mbarriers (q_full, full[STAGES], empty[STAGES]).
+    // Q, then per stage K and V, then the mbarriers (q_full, q_empty, full[STAGES], empty[STAGES]).
     static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
 };
 
@@ -1301,6 +1305,20 @@ __device__ __forceinline__ void frag_load_a_smem(u32 (&a)[D / 16][4], u32 tile, 
     }
 }
 
+// One job of a persistent block: query rows [m0, m0 + kTmaRows) of head bh (= b * n_h + h) against
+// its n_tiles key tiles. Jobs are numbered with the longest rows first (causal), heads inside.
+struct TmaJob {
+    int bh, b, h, m0, n_tiles;
+    __device__ __forceinline__ TmaJob(int w, int n_bh, int n_mb, int n_h, int n_q, int n_k, int off) {
+        bh = w % n_bh;
+        b = bh / n_h;
+        h = bh % n_h;
+        m0 = (n_mb - 1 - w / n_bh) * kTmaRows;
+        const int k_end = min(n_k, min(m0 + kTmaRows, n_q) - 1 + off + 1);  // keys some row of the job sees
+        n_tiles = (k_end - 1) / kTmaKeys + 1;
+    }
+};
+
 // The online softmax of one tile of scores sc (keys n0.., this thread's rows r_lo and r_hi of the
 // warp's rows row0..row0 + 15), in place: sc becomes the unnormalised probabilities, m and l the
 // running row max (log2 units) and this lane's part of the row sum, a the factor O is rescaled by.
@@ -1351,21 +1369,19 @@ template <typename T, int D, bool PingPong>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_fwd_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                       const __grid_constant__ TmaMap v_map, T* __restrict__ out, float* __restrict__ lse, int n_q,
-                      int n_k, int off, int n_h, float scale, KILN_LAYOUT(o)) {
+                      int n_k, int off, int n_h, int n_bh, float scale, KILN_LAYOUT(o)) {
     constexpr int BN = kTmaKeys;
     using Shape = TmaFwdShape<D>;
     constexpr int S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
     const u32 qs = base, ks = base + Shape::Q_BYTES, vs = ks + S * Shape::KV_BYTES;
-    const u32 q_full = base + Shape::BAR_OFFSET, full = q_full + 8, empty = full + 8 * S;
-    const int bh = blockIdx.y, hd = bh % n_h, bt = bh / n_h;
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * kTmaRows;  // the longest rows first
-    const int k_end = min(n_k, min(m0 + kTmaRows, n_q) - 1 + off + 1);  // keys some row of the block sees
-    const int n_tiles = (k_end - 1) / BN + 1;
+    const u32 q_full = base + Shape::BAR_OFFSET, q_empty = q_full + 8, full = q_empty + 8, empty = full + 8 * S;
+    const int n_mb = (n_q + kTmaRows - 1) / kTmaRows, n_work = n_mb * n_bh;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, kTmaThreads - 128);
         for (int s = 0; s < S; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, kTmaThreads - 128);
@@ -1376,84 +1392,100 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     if (wg == 0) {  // the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
         if (threadIdx.x != 0) return;
-        mbar_expect_tx(q_full, Shape::Q_BYTES);
-        tma_tile<kTmaRows, D>(qs, q_map, m0, hd, bt, q_full);
-        for (int it = 0; it < n_tiles; ++it) {
-            const int s = it % S;
-            mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);  // the consumers are done with tile it - S
-            mbar_expect_tx(full + 8 * s, 2 * Shape::KV_BYTES);
-            tma_tile<BN, D>(ks + s * Shape::KV_BYTES, k_map, it * BN, hd, bt, full + 8 * s);
-            tma_tile<BN, D>(vs + s * Shape::KV_BYTES, v_map, it * BN, hd, bt, full + 8 * s);
+        int kv = 0;  // K/V tiles loaded so far by this block: tile kv goes to stage kv % S, round kv / S
+        for (int w = blockIdx.x, job = 0; w < n_work; w += gridDim.x, ++job) {
+            const TmaJob jb(w, n_bh, n_mb, n_h, n_q, n_k, off);
+            mbar_wait(q_empty, (job & 1) ^ 1);  // both consumers hold the last job's Q in registers
+            mbar_expect_tx(q_full, Shape::Q_BYTES);
+            tma_tile<kTmaRows, D>(qs, q_map, jb.m0, jb.h, jb.b, q_full);
+            for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
+                const int s = kv % S;
+                mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
+                mbar_expect_tx(full + 8 * s, 2 * Shape::KV_BYTES);
+                tma_tile<BN, D>(ks + s * Shape::KV_BYTES, k_map, it * BN, jb.h, jb.b, full + 8 * s);
+                tma_tile<BN, D>(vs + s * Shape::KV_BYTES, v_map, it * BN, jb.h, jb.b, full + 8 * s);
+            }
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4, g = lane >> 2, c = lane & 3;
-    const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;  // warps 0-3: rows 0-63, 4-7: 64-127
     const float sl2 = scale * kLog2e;
-    mbar_wait(q_full, 0);
-    u32 qa[D / 16][4];
-    frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
-    const int me = wg - 1;  // consumer 0 (rows 0-63) or 1 (rows 64-127)
+    const int me = wg - 1;  // consumer 0 (rows 0-63 of a job) or 1 (rows 64-127)
     if (PingPong && me == 1) named_arrive(kTmaTurnBarrier, 256);  // consumer 0 takes the first turn
-    float o[D / 8][4];
-    zero_acc(o);
-    u32 pa[BN / 16][4];  // P(it - 1), the A operand of the product issued with S(it)
-    float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f, a_lo, a_hi;
-    // Every wgmma below is issued unconditionally between its waits, so that ptxas can see which
-    // product a wait completes (a conditional issue made it serialise them: C7514).
-    {
-        float sc[BN / 8][4];
-        zero_acc(sc);
-        fence_regs(sc);
-        mbar_wait(full, 0);
-        if (PingPong) named_sync(kTmaTurnBarrier + me, 256);  // this consumer's turn at the tensor cores
-        wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks);
+    int kv = 0;  // K/V tiles consumed so far, in the producer's order
+    for (int w = blockIdx.x, job = 0; w < n_work; w += gridDim.x, ++job) {
+        const TmaJob jb(w, n_bh, n_mb, n_h, n_q, n_k, off);
+        const int row0 = jb.m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
+        mbar_wait(q_full, job & 1);
+        u32 qa[D / 16][4];
+        frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
+        mbar_arrive(q_empty);
+        float o[D / 8][4];
+        zero_acc(o);
+        u32 pa[BN / 16][4];  // P(it - 1), the A operand of the product issued with S(it)
+        float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f, a_lo, a_hi;
+        // Every wgmma below is issued unconditionally between its waits, so that ptxas can see which
+        // product a wait completes (a conditional issue made it serialise them: C7514).
+        {
+            float sc[BN / 8][4];
+            zero_acc(sc);
+            fence_regs(sc);
+            mbar_wait(full + 8 * (kv % S), (kv / S) & 1);
+            if (PingPong) named_sync(kTmaTurnBarrier + me, 256);  // this consumer's turn at the tensor cores
+            wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + (kv % S) * Shape::KV_BYTES);
+            if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
+            wg_wait<0>();
+            fence_regs(sc);
+            tma_softmax_tile<BN>(sc, 0, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+            c_to_a<T, BN>(pa, sc);
+        }
+        for (int it = 1; it < jb.n_tiles; ++it) {
+            const int st = (kv + it) % S, prev = (kv + it - 1) % S;
+            float sc[BN / 8][4];
+            zero_acc(sc);
+            fence_regs(sc);  // zeroed before the products are issued, not while they run
+            mbar_wait(full + 8 * st, ((kv + it) / S) & 1);
+            if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
+            wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + st * Shape::KV_BYTES);
+            wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + prev * Shape::KV_BYTES);
+            if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
+            wg_wait<1>();  // S(it) is done; P(it - 1)·V(it - 1) may still run
+            fence_regs(sc);
+            tma_softmax_tile<BN>(sc, it * BN, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo,
+                                 a_hi);
+            wg_wait<0>();  // P(it - 1)·V(it - 1) is in o, and its stage is free
+            fence_regs(o);
+            mbar_arrive(empty + 8 * prev);
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                o[j][0] *= a_lo;
+                o[j][1] *= a_lo;
+                o[j][2] *= a_hi;
+                o[j][3] *= a_hi;
+            }
+            c_to_a<T, BN>(pa, sc);
+        }
+        const int last = (kv + jb.n_tiles - 1) % S;
+        if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
+        wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + last * Shape::KV_BYTES);
         if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
         wg_wait<0>();
-        fence_regs(sc);
-        tma_softmax_tile<BN>(sc, 0, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
-        c_to_a<T, BN>(pa, sc);
-    }
-    for (int it = 1; it < n_tiles; ++it) {
-        const int st = it % S, prev = (it - 1) % S;
-        float sc[BN / 8][4];
-        zero_acc(sc);
-        fence_regs(sc);  // zeroed before the products are issued, not while they run
-        mbar_wait(full + 8 * st, (it / S) & 1);
-        if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
-        wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + st * Shape::KV_BYTES);
-        wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + prev * Shape::KV_BYTES);
-        if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
-        wg_wait<1>();  // S(it) is done; P(it - 1)·V(it - 1) may still run
-        fence_regs(sc);
-        tma_softmax_tile<BN>(sc, it * BN, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
-        wg_wait<0>();  // P(it - 1)·V(it - 1) is in o, and stage it - 1 is free
         fence_regs(o);
-        mbar_arrive(empty + 8 * prev);
+        mbar_arrive(empty + 8 * last);
+        kv += jb.n_tiles;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[j][0] *= a_lo;
-            o[j][1] *= a_lo;
-            o[j][2] *= a_hi;
-            o[j][3] *= a_hi;
+        for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+            l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
+            l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
         }
-        c_to_a<T, BN>(pa, sc);
+        frag_store<T, D>(out + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, o, row0, n_q, 1.0f / l_lo,
+                         1.0f / l_hi);
+        if (c == 0) {
+            const long long lb = (long long)jb.bh * n_q;
+            if (r_lo < n_q) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
+            if (r_hi < n_q) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
+        }
     }
-    if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
-    wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + ((n_tiles - 1) % S) * Shape::KV_BYTES);
-    if (PingPong && me == 0) named_arrive(kTmaTurnBarrier + 1, 256);  // consumer 1's last turn
-    wg_wait<0>();
-    fence_regs(o);
-#pragma unroll
-    for (int o_ = 1; o_ <= 2; o_ <<= 1) {
-        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
-        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
-    }
-    frag_store<T, D>(out + head_offset(bh, n_h, o_sb, o_sh), (int)o_st, o, row0, n_q, 1.0f / l_lo, 1.0f / l_hi);
-    if (c == 0) {
-        const long long lb = (long long)bh * n_q;
-        if (r_lo < n_q) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
-        if (r_hi < n_q) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
-    }
+    if (PingPong && me == 0) named_sync(kTmaTurnBarrier, 256);  // consumer 1's last turn passed on: none left
 }
