@@ -90,3 +90,34 @@ def test_an_op_without_a_cuda_kernel_for_its_arguments_says_it_runs_on_the_cpu()
     with pytest.warns(RuntimeWarning, match=r"attention_fwd has no CUDA kernel for these arguments "
                                             r"\(float32 \[2, 4, 8, 16\]\): it runs on the CPU"):
         assert cpu_fallback(attention_fwd, q, 2.0) == 32.0
+
+
+def test_a_kernel_opts_in_to_dynamic_shared_memory_past_48_kib_once(monkeypatch):
+    """cudaFuncSetAttribute(MaxDynamicSharedMemorySize) is set at the first launch that needs more
+    than the default 48 KiB (attention_fwd_tma's 145-225 KiB), raised when a later launch needs more,
+    and left alone otherwise."""
+    from kiln.backend.cuda import device
+    from kiln.backend.cuda.launch import Kernel
+
+    class Function:
+        def __init__(self):
+            self.attribute_sets, self.launches = [], []
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return self.attribute_sets[-1] if self.attribute_sets else 48 * 1024
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, n):
+            self.attribute_sets.append(n)
+
+        def __call__(self, grid, block, args, shared_mem, stream):
+            self.launches.append(shared_mem)
+
+    monkeypatch.setattr(device, "stream", lambda: None)
+    fn = Function()
+    k = Kernel("attention.cu", "k", fn)
+    for shared in (0, 48 * 1024, 148560, 148560, 100000, 230464):
+        k((1,), (384,), (), shared_mem=shared)
+    assert fn.launches == [0, 48 * 1024, 148560, 148560, 100000, 230464]
+    assert fn.attribute_sets == [148560, 230464]
