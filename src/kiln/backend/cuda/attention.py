@@ -16,10 +16,9 @@ c_proj reads is then a free reshape.
 
 The bfloat16/float16 forward has a second kernel with flash-attention 3's structure
 (`attention_fwd_tma`: a TMA producer warpgroup, a ring of K/V stages guarded by mbarriers, two
-consumer warpgroups of 64 rows, 128-key tiles in dynamic shared memory, persistent: one block per
-SM), chosen with
-KILN_ATTENTION_FWD=tma (or tma-pingpong: the consumers take turns at the tensor cores) at head
-dims 64 and 128; the default is the one-warpgroup kernel.
+consumer warpgroups of 64 rows, 128-key tiles in dynamic shared memory, one persistent block per
+SM), chosen with KILN_ATTENTION_FWD=tma (or tma-pingpong: the consumers take turns at the tensor
+cores) at head dims 64 and 128; the default is the one-warpgroup kernel.
 """
 
 from __future__ import annotations
