@@ -1201,8 +1201,8 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // A persistent kernel: one block per SM walks jobs (128 query rows of one head) blockIdx.x,
 // blockIdx.x + gridDim.x, ..., longest rows first, so that a job's first loads overlap the last
 // one's products and output (a block of this size is alone on its SM: its start-up is not hidden
-// by another block's work). 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives up registers
-// (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor,
+// by another block's work). 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives
+// up registers (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor,
 // tensor maps built on the host with cuTensorMapEncodeTiled, passed as __grid_constant__ kernel
 // parameters): per job Q's 128 rows (once q_empty says both consumers hold the last job's Q in
 // registers), then K and V tiles of BN = 128 keys into a ring of STAGES shared-memory stages, the
@@ -1216,8 +1216,8 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // other's products do (flash-attention 3's ping-pong); without it the warp schedulers interleave
 // the two freely.
 // Synchronisation is by mbarriers with phase bits: full[s] completes when the producer's
-// arrive.expect_tx and the TMA bytes of stage s have landed (tile it uses stage it % STAGES, phase
-// (it / STAGES) & 1); empty[s] completes when all 256 consumer threads have arrived after their
+// arrive.expect_tx and the TMA bytes of stage s have landed (the block's K/V tile kv, counted over
+// its jobs, uses stage kv % STAGES, phase (kv / STAGES) & 1); empty[s] completes when all 256 consumer threads have arrived after their
 // products on stage s are done, and the producer waits on it before refilling the stage. TMA writes
 // each 64-column block of a tile with the 128-byte swizzle, which is SwTile's layout, so the wgmma
 // descriptors are the other kernels'. Rows past n_q or n_k arrive as zeros (TMA's out-of-bounds
