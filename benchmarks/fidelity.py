@@ -189,7 +189,7 @@ def run_kiln(args, data: Path) -> dict:
     dev = kiln.device(args.device)
     model = GPT(cfg, generator=kiln.Generator(args.seed))
     model.to(dev)
-    apply_precision(model, args.mode, dev)
+    apply_precision(model, args.mode, dev, args.bf16_residual)
     opt = AdamW(gpt_param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
     step = plain_step(model, opt, grad_clip=1.0)  # the Trainer's step: the clip fused into AdamW
@@ -276,7 +276,7 @@ def run_compare(args, data: Path) -> dict:
     model.to(dev)
     weights = np.load(args.final_weights)
     model.load_state_dict({k: weights[k] for k in weights.files})
-    apply_precision(model, args.mode, dev)
+    apply_precision(model, args.mode, dev, args.bf16_residual)
     x, y = batches(args, data).val()[0]
     cmp = Comparison(model, args.mode)
     cmp.step(x[:2], y[:2])
@@ -300,7 +300,7 @@ def worker(args) -> dict:
 def _spawn(args, data: Path, framework: str, mode: str, extra=()) -> dict:
     cmd = [sys.executable, __file__, "--framework", framework, "--mode", mode, "--data", str(data)]
     for flag in ("steps", "eval_interval", "eval_iters", "batch_size", "seq_len", "model", "n_layer", "n_head",
-                 "n_embd", "lr", "warmup_fraction", "seed", "device"):
+                 "n_embd", "lr", "warmup_fraction", "seed", "device", "bf16_residual"):
         value = getattr(args, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
@@ -494,6 +494,8 @@ def main() -> None:
                     help="the share of --steps spent in linear warm-up (default 0.1)")
     ap.add_argument("--seed", type=int, default=1234, help="the initial weights' and the training windows' seed")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--bf16-residual", choices=("fp32", "bf16"), default="fp32",
+                    help="kiln's residual stream in bf16 mode: fp32 as autocast (default) or bf16")
     ap.add_argument("--data", help="a `kiln prepare` folder (default: the Python sources, prepared into --corpus-dir)")
     ap.add_argument("--corpus-dir", help="where the Python sources are prepared (default: a temporary folder "
                                          "named after --site-packages, --max-files and --vocab-size)")
@@ -535,7 +537,7 @@ def main() -> None:
             "data_meta": json.loads((data / "meta.json").read_text()), "batch": [args.batch_size, args.seq_len],
             "model": args.model, "overrides": {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd},
             "steps": args.steps, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters,
-            "seed": args.seed, "lr": args.lr,
+            "seed": args.seed, "lr": args.lr, "bf16_residual": args.bf16_residual,
             "schedule": {"shape": "linear warm-up, then cosine decay to a tenth", "max_lr": args.lr,
                          "min_lr": args.lr / 10, "warmup_steps": warmup_steps(args), "total_steps": args.steps}}
     rows, compares = [], {}

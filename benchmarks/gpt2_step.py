@@ -55,7 +55,7 @@ def run_kiln(args, batches):
     model.fused_lm_head = args.framework != "kiln-whole-logits"
     dev = kiln.device("cuda")
     model.to(dev)
-    apply_precision(model, args.mode, dev)
+    apply_precision(model, args.mode, dev, args.bf16_residual)
     backend = dev.backend
     opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
 
@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--n-layer", type=int, default=12)
+    ap.add_argument("--bf16-residual", choices=("fp32", "bf16"), default="fp32",
+                    help="kiln's residual stream in bf16 mode: fp32 as autocast (default) or bf16")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpt2_step"))
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                     help="kiln runs every step op by op (default: replayed as one CUDA graph from step 2)")
@@ -201,7 +203,8 @@ def main() -> None:
         for fw in frameworks:
             cmd = [sys.executable, __file__, "--framework", fw, "--mode", mode, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-                   "--seq-len", str(args.seq_len), "--n-layer", str(args.n_layer)] + \
+                   "--seq-len", str(args.seq_len), "--n-layer", str(args.n_layer),
+                   "--bf16-residual", args.bf16_residual] + \
                   ([] if args.cuda_graph else ["--no-cuda-graph"]) + \
                   (["--kernel-profile", args.kernel_profile] if args.kernel_profile else [])
             t0 = time.time()
@@ -241,7 +244,7 @@ def main() -> None:
     record = {"benchmark": "gpt2_step", "date": date,
               "commit": commit(),
               "command": " ".join(["python", *sys.argv]), "device": gpu, "torch": torch.__version__,
-              "python": platform.python_version(), "batch": [args.batch_size, args.seq_len],
+              "python": platform.python_version(), "batch": [args.batch_size, args.seq_len], "bf16_residual": args.bf16_residual,
               "n_layer": args.n_layer, "steps": args.steps, "warmup": args.warmup,
               "kiln_cuda_graph": args.cuda_graph, "rows": rows}
     out = Path(args.out)

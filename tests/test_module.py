@@ -97,6 +97,44 @@ def test_bf16_compute_over_fp32_weights_tracks_fp32():
         assert np.linalg.norm(p.grad.numpy() - g) <= 0.1 * np.linalg.norm(g) + 1e-6
 
 
+def test_bf16_with_an_fp32_residual_is_closer_to_fp32_than_with_a_bf16_one():
+    """apply_precision's bf16 keeps the residual stream in fp32 by default (autocast's policy): the loss and
+    every gradient of that model are nearer fp32's than those of the bf16-residual model, the LayerNorms'
+    most of all; an unknown choice and a recompute_norm_gelu it cannot do are named errors."""
+    from kiln.errors import NotBuiltError
+    from kiln.train import apply_precision
+    cfg = preset("tiny", n_layer=2, vocab_size=64, block_size=32)
+    model = GPT(cfg, generator=kiln.Generator(7))
+    rng = np.random.default_rng()
+    model.load_state_dict({n: p.numpy() + 0.1 * rng.standard_normal(p.shape) for n, p in model.named_parameters()})
+    x, y = (kiln.tensor(rng.integers(0, 64, (4, 32))) for _ in range(2))
+
+    def loss_and_grads():
+        model.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        return loss.item(), {n: p.grad.numpy().astype(np.float64) for n, p in model.named_parameters()}
+
+    ref_loss, ref = loss_and_grads()
+    cpu = kiln.device("cpu")
+    err = {}
+    for residual in ("fp32", "bf16"):
+        apply_precision(model, "bf16", cpu, bf16_residual=residual)
+        loss, grads = loss_and_grads()
+        err[residual] = {n: np.linalg.norm(g - ref[n]) / np.linalg.norm(ref[n]) for n, g in grads.items()}
+        err[residual]["loss"] = abs(loss - ref_loss)
+    cpu.backend.set_matmul_precision("fp32")
+    assert model.residual_dtype is None and model.compute_dtype is kiln.bfloat16  # the last one applied: bf16
+    ln = [n for n in ref if ".ln_" in n or n.startswith("ln_f")]
+    assert np.median([err["fp32"][n] for n in ln]) < np.median([err["bf16"][n] for n in ln])
+    assert np.median(list(err["fp32"].values())) < np.median(list(err["bf16"].values()))
+    with pytest.raises(ConfigError, match="unknown bf16_residual 'fp16'; allowed: fp32, bf16"):
+        apply_precision(model, "bf16", cpu, bf16_residual="fp16")
+    model.residual_dtype, model.recompute_norm_gelu = kiln.float32, True
+    with pytest.raises(NotBuiltError, match="recompute_norm_gelu with a kiln.float32 residual"):
+        model(x, y)
+
+
 def test_blocks_alone_give_the_fused_gpt_forward():
     """GPT.forward fuses each residual add with the LayerNorm after it (Block(x, h, next_ln));
     block(x) alone is the plain pre-norm block, and chaining those gives the same logits."""

@@ -105,10 +105,66 @@ def test_add_layer_norm_checks_its_inputs():
     x, w = kiln.randn(2, 4), kiln.randn(4)
     with pytest.raises(ShapeError, match="one shape"):
         F.add_layer_norm(x, kiln.randn(4), w)
-    with pytest.raises(DTypeError, match="dtype mismatch"):
-        F.add_layer_norm(x, kiln.randn(2, 4).to(kiln.bfloat16), w)
+    # the branch may be narrower than the residual (bf16 on fp32), never wider
+    with pytest.raises(DTypeError, match="a bfloat16 residual with float32 activations; allowed: the same"):
+        F.add_layer_norm(x.to(kiln.bfloat16), x, w)
+    with pytest.raises(DTypeError, match="a float64 residual with bfloat16 activations"):
+        F.add_layer_norm(x.to(kiln.float64), x.to(kiln.bfloat16), w)
+    with pytest.raises(DTypeError, match="layer_norm: a bfloat16 residual with float32 activations"):
+        F.layer_norm(x.to(kiln.bfloat16), w, out_dtype=kiln.float32)
     with pytest.raises(ShapeError, match="weight and bias of shape"):
         F.add_layer_norm(x, x, kiln.randn(3))
+
+
+@pytest.mark.parametrize("only_h", [False, True], ids=["s_and_h", "only_h"])
+def test_add_layer_norm_of_a_bf16_branch_on_an_fp32_residual_is_autocasts(only_h):
+    """torch.autocast's residual add: a bf16 branch output y added to an fp32 residual x promotes to fp32,
+    the LayerNorm runs in fp32 and its output is rounded to bf16 where the next GEMM reads it; backward,
+    x gets the fp32 gradient and y the same rounded to bf16. The fused op does exactly that."""
+    rng = np.random.default_rng()
+    n, c = 6, 64
+    x = kiln.tensor(rng.standard_normal((n, c)) * 2 + 0.5, dtype="float32", requires_grad=True)
+    y = kiln.tensor(rng.standard_normal((n, c)), dtype="bfloat16", requires_grad=True)
+    w, b = (kiln.tensor(rng.standard_normal(c), dtype="float32", requires_grad=True) for _ in range(2))
+    gs, gh = rng.standard_normal((n, c)).astype(np.float32), rng.standard_normal((n, c)).astype(BF16)
+    s, h = F.add_layer_norm(x, y, w, b)
+    assert s.dtype is kiln.float32 and h.dtype is kiln.bfloat16
+    loss = (h.to(kiln.float32) * kiln.tensor(gh.astype(np.float32))).sum()
+    if not only_h:
+        loss = loss + (s * kiln.tensor(gs)).sum()
+    loss.backward()
+    tx, tw, tb = (torch.tensor(t.numpy(), requires_grad=True) for t in (x, w, b))
+    ty = torch.tensor(y.numpy().astype(np.float32)).to(torch.bfloat16).requires_grad_()
+    ts = tx + ty
+    th = TF.layer_norm(ts, (c,), tw, tb, 1e-5).to(torch.bfloat16)
+    tloss = (th.float() * torch.tensor(gh.astype(np.float32))).sum() + (0 if only_h else (ts * torch.tensor(gs)).sum())
+    tloss.backward()
+    assert np.array_equal(s.numpy(), ts.detach().numpy())  # one fp32 add, bit for bit
+    # h: one bf16 rounding of the same fp32 LayerNorm (kiln's in float64 before it): at most an ulp apart
+    assert rel(h.numpy().astype(np.float64), th.detach().float().numpy()) < 8e-3
+    assert x.grad.dtype is kiln.float32 and y.grad.dtype is kiln.bfloat16
+    assert rel(x.grad.numpy(), tx.grad.numpy()) < 1e-5
+    np.testing.assert_array_equal(y.grad.numpy(), x.grad.numpy().astype(BF16))  # dy is dx rounded once
+    assert rel(y.grad.numpy().astype(np.float32), ty.grad.float().numpy()) < 8e-3
+    for k, t in ((w, tw), (b, tb)):
+        assert k.grad.dtype is kiln.float32 and rel(k.grad.numpy(), t.grad.numpy()) < 1e-5
+
+
+def test_layer_norm_of_an_fp32_residual_into_bf16():
+    """The first block's ln_1 under autocast's policy: the fp32 LayerNorm, its output rounded to bf16;
+    the input's gradient stays fp32."""
+    rng = np.random.default_rng()
+    x = kiln.tensor(rng.standard_normal((5, 32)) * 3, dtype="float32", requires_grad=True)
+    w, b = (kiln.tensor(rng.standard_normal(32), dtype="float32") for _ in range(2))
+    h = F.layer_norm(x, w, b, out_dtype=kiln.bfloat16)
+    full = F.layer_norm(x.detach(), w, b)
+    assert h.dtype is kiln.bfloat16
+    np.testing.assert_array_equal(h.numpy(), full.numpy().astype(BF16))
+    g = rng.standard_normal((5, 32)).astype(BF16)
+    (h.to(kiln.float32) * kiln.tensor(g.astype(np.float32))).sum().backward()
+    xd = x.detach().requires_grad_()
+    (F.layer_norm(xd, w, b) * kiln.tensor(g.astype(np.float32))).sum().backward()
+    assert x.grad.dtype is kiln.float32 and rel(x.grad.numpy(), xd.grad.numpy()) < 1e-6
 
 
 # --- LayerNorm ----------------------------------------------------------------------------
@@ -260,3 +316,30 @@ def test_layer_norm_param_grads_in_fp32(gpu, rng, dtype, add):
     assert dw.dtype == np.float32 and db.dtype == np.float32
     close(gpu, dw, rdw, np.float32, factor=10)
     close(gpu, db, rdb, np.float32, factor=10)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(5, 768), (37, 100), (3000, 768), (7, 4096)])
+@pytest.mark.parametrize("with_ds", [True, False], ids=["ds", "no_ds"])
+def test_fp32_residual_with_a_bf16_branch(gpu, rng, shape, with_ds):
+    """autocast's policy on the GPU: fp32 x and s, bf16 y and h (and the gradient of h), fp32 dx, against
+    the CPU reference in float64; the plain LayerNorm of the fp32 residual into bf16 likewise."""
+    n, c = shape
+    x, w, b = rand(shape, np.float32, rng, 2.0) + np.float32(0.5), rand((c,), np.float32, rng), rand((c,), np.float32, rng)
+    y, gh = rand(shape, BF16, rng), rand(shape, BF16, rng)
+    gs = rand(shape, np.float32, rng) if with_ds else None
+    s, h, mean, rstd = gpu.add_layer_norm_fwd(gpu.asarray(x), gpu.asarray(y), gpu.asarray(w), gpu.asarray(b), 1e-5,
+                                              BF16)
+    s_ref = x + y.astype(np.float32)
+    assert s.dtype == np.float32 and h.dtype == BF16 and np.array_equal(gpu.to_numpy(s), s_ref)
+    ry, rmean, rrstd = cpu.layer_norm_fwd(f64(s_ref), f64(w), f64(b), 1e-5)
+    close(gpu, h, ry, BF16)
+    dx, dw, db = gpu.add_layer_norm_bwd(None if gs is None else gpu.asarray(gs), gpu.asarray(gh), s, gpu.asarray(w),
+                                        mean, rstd, True, True)
+    rdx, rdw, rdb = cpu.add_layer_norm_bwd(f64(gs), f64(gh), f64(s_ref), f64(w), rmean, rrstd, True, True)
+    assert dx.dtype == np.float32 and dw.dtype == np.float32
+    for got, ref in ((dx, rdx), (dw, rdw), (db, rdb)):
+        close(gpu, got, ref, np.float32, factor=10)
+    y1, _, _ = gpu.layer_norm_fwd(gpu.asarray(x), gpu.asarray(w), gpu.asarray(b), 1e-5, BF16)
+    assert y1.dtype == BF16
+    close(gpu, y1, cpu.layer_norm_fwd(f64(x), f64(w), f64(b), 1e-5)[0], BF16)

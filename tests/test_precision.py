@@ -17,14 +17,16 @@ from kiln.precision import Capture, Comparison, headline, reference_name
 CFG = GPTConfig(vocab_size=67, block_size=16, n_layer=3, n_head=2, n_embd=24)
 
 
-def model_and_batch(precision="fp32", tie=True):
-    """A GPT whose every parameter (biases and LayerNorm affines too) is random, and a batch."""
+def model_and_batch(precision="fp32", tie=True, bf16_residual=True):
+    """A GPT whose every parameter (biases and LayerNorm affines too) is random, and a batch; in bf16 the
+    residual stream in fp32 (kiln's default, autocast's policy) unless bf16_residual is False."""
     rng = np.random.default_rng()
     cfg = GPTConfig(**{**CFG.__dict__, "tie_weights": tie})
     model = GPT(cfg, generator=kiln.Generator(int(rng.integers(1 << 30))))
     if precision == "fp64":
         model.to(dtype="float64")
     model.compute_dtype = kiln.bfloat16 if precision == "bf16" else None
+    model.residual_dtype = kiln.float32 if precision == "bf16" and bf16_residual else None
     model.load_state_dict({n: p.numpy() + 0.05 * rng.standard_normal(p.shape) for n, p in model.named_parameters()})
     return model, rng.integers(0, cfg.vocab_size, (2, 16)), rng.integers(0, cfg.vocab_size, (2, 16))
 
@@ -52,6 +54,21 @@ def test_the_real_model_has_no_divergence_and_every_op_is_compared(precision, ti
     assert 0 < worst < {"fp64": 1e-12, "fp32": 1e-5, "bf16": 5e-2}[precision]
     assert all(r["cosine"] > 0.999 for r in s["forward"])
     assert s["forward"][0]["hash"] == s["forward"][0]["ref_hash"]  # the same embedding rows, bit for bit
+
+
+def test_the_bf16_reference_is_autocasts_and_sees_a_bf16_residual():
+    """The bf16 reference keeps autocast's fp32 residual stream whatever kiln does: kiln's default (fp32)
+    matches it in dtype and closely; kiln with a bf16 residual shows bfloat16 against float32 there,
+    further from it."""
+    worst = {}
+    for fp32_residual in (True, False):
+        model, idx, tgt = model_and_batch("bf16", bf16_residual=fp32_residual)
+        s = Comparison(model, "bf16").step(idx, tgt)
+        rows = [r for r in s["forward"] if r["name"].endswith("residual")]
+        assert {r["ref_dtype"] for r in rows} == {"float32"}
+        assert {r["dtype"] for r in rows} == {"float32" if fp32_residual else "bfloat16"}
+        worst[fp32_residual] = max(r["rel_err"] for r in rows)
+    assert worst[True] < worst[False]
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])

@@ -16,10 +16,14 @@ def torch_params(model, dtype=torch.float64):
             for name, p in model.named_parameters()}
 
 
-def torch_gpt_forward(params, cfg, idx, targets):
-    """(logits, loss) of kiln's GPT with parameters `params`, in PyTorch."""
+def torch_gpt_forward(params, cfg, idx, targets, residual_dtype=None):
+    """(logits, loss) of kiln's GPT with parameters `params`, in PyTorch. residual_dtype: the residual
+    stream cast to it after the embeddings (torch.bfloat16 under autocast: every add stays bf16); None:
+    the parameters' dtype (under autocast, a bf16 branch output added to it promotes to it)."""
     b, t = idx.shape
     x = F.embedding(idx, params["wte.weight"]) + F.embedding(torch.arange(t, device=idx.device), params["wpe.weight"])
+    if residual_dtype is not None:
+        x = x.to(residual_dtype)
     h, c = cfg.n_head, cfg.n_embd
     for i in range(cfg.n_layer):
         p = lambda n: params.get(f"h.{i}.{n}")  # noqa: E731

@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "without one (its size is the vocabulary unless --vocab-size says)")
     t.add_argument("--device", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--precision", help="fp32 (default), tf32 (GPU), bf16 or fp64")
+    t.add_argument("--bf16-residual", choices=("fp32", "bf16"),
+                   help="bf16: the residual stream and LayerNorms in fp32 as torch.autocast (default: its loss curve "
+                        "is PyTorch's), or in bf16 (fewer bytes, a curve further from PyTorch's)")
     t.add_argument("--steps", dest="max_steps", type=int)
     t.add_argument("--batch-size", type=int)
     t.add_argument("--seq-len", type=int)

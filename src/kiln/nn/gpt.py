@@ -175,6 +175,9 @@ class GPT(Module):
         super().__init__()
         self.config = cfg
         self.compute_dtype = None  # e.g. kiln.bfloat16: activations in bf16 over fp32 weights
+        # The residual stream's dtype under a compute_dtype: None keeps it in compute_dtype; kiln.float32 is
+        # autocast's policy (an fp32 residual, fp32 LayerNorms whose outputs are rounded for the GEMMs).
+        self.residual_dtype = None
         # With targets, the LM head and the loss are one chunked op (F.lm_head_cross_entropy) and
         # forward returns no logits; False makes the [B, T, V] logits whole and returns them too.
         self.fused_lm_head = True
@@ -214,8 +217,9 @@ class GPT(Module):
         if pos is None:
             pos = arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        if self.compute_dtype is not None and x.dtype is not self.compute_dtype:
-            x = x.to(self.compute_dtype)
+        residual = self.residual_dtype or self.compute_dtype
+        if residual is not None and x.dtype is not residual:
+            x = x.to(residual)
         x = self.drop(x)
         # The residual stream x goes from block to block with h, its LayerNorm for the next
         # sublayer; the last block's add is fused with ln_f (its sum is not used: no gradient).
@@ -225,6 +229,12 @@ class GPT(Module):
             raise NotBuiltError(f"recompute_blocks {recompute} with dropout {self.config.dropout}: the recomputed "
                                 "forward would draw other masks (replaying the random stream is not built)")
         h = None
+        if self.compute_dtype is not None and x.dtype is not self.compute_dtype:  # a wider residual
+            if self.recompute_norm_gelu:
+                raise NotBuiltError(f"recompute_norm_gelu with a {x.dtype} residual under {self.compute_dtype} "
+                                    "activations: remaking the LayerNorm output in backward from the wider "
+                                    "residual is not built (use residual_dtype None)")
+            h = blocks[0].ln_1(x, self.compute_dtype)
         for i, block in enumerate(blocks):
             next_ln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f
             if i < recompute:

@@ -74,11 +74,13 @@ class LayerNorm(Module):
         self.weight = Parameter(ones(dim))
         self.bias = Parameter(zeros(dim)) if bias else None
 
-    def forward(self, x):
-        return F.layer_norm(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x), self.eps)
+    def forward(self, x, out_dtype=None):
+        """The LayerNorm of x in x's dtype, its output in out_dtype (default x's)."""
+        return F.layer_norm(x, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x), self.eps, out_dtype)
 
     def add_forward(self, x, y):
-        """(x + y, self(x + y)) in one op (F.add_layer_norm): a residual add and this LayerNorm."""
+        """(x + y, self(x + y)) in one op (F.add_layer_norm): a residual add and this LayerNorm, the
+        sum in x's dtype, the LayerNorm's output in y's (a bf16 branch on an fp32 residual)."""
         return F.add_layer_norm(x, y, as_dtype_of(self.weight, x), as_dtype_of(self.bias, x), self.eps)
 
 

@@ -11,6 +11,7 @@ from kiln.backend import cuda_is_available, device as parse_device
 from kiln.errors import ConfigError, NotBuiltError
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp64")
+BF16_RESIDUALS = ("fp32", "bf16")  # the residual stream's dtype in bf16 (apply_precision)
 PARALLEL = ("none", "ddp", "zero1", "zero2", "fsdp")
 SHARDED = ("zero1", "zero2", "fsdp")  # parallel modes whose optimizer state lives in shards, one per rank
 
@@ -26,6 +27,7 @@ class TrainConfig:
     run_name: str | None = None
     device: str = "auto"                     # auto: cuda when there is a GPU, else cpu
     precision: str = "fp32"
+    bf16_residual: str = "fp32"              # bf16: the residual stream in fp32 (autocast's policy) or bf16
     batch_size: int | None = None            # None here and below: the preset's recipe (RECIPES)
     seq_len: int | None = None               # default: the model's context
     grad_accum: int = 1
@@ -102,6 +104,8 @@ class TrainConfig:
             raise ConfigError(f"grad_clip and weight_decay must be >= 0, got {self.grad_clip}, {self.weight_decay}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
+        if self.bf16_residual not in BF16_RESIDUALS:
+            raise ConfigError(f"unknown bf16_residual {self.bf16_residual!r}; allowed: {', '.join(BF16_RESIDUALS)}")
         if self.sample_tokens < 0:
             raise ConfigError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
         if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 0:
@@ -153,14 +157,21 @@ def resolve_device(name: str):
     return dev
 
 
-def apply_precision(model, precision: str, device) -> None:
+def apply_precision(model, precision: str, device, bf16_residual: str = "fp32") -> None:
     """fp32: strict fp32 GEMMs; tf32: fp32 tensors, tf32 tensor-core GEMMs (GPU only); bf16: bf16
-    activations and GEMM operands over fp32 master weights and optimizer state; fp64: float64."""
+    activations and GEMM operands over fp32 master weights and optimizer state; fp64: float64.
+
+    bf16_residual (bf16 only): "fp32" keeps the residual stream and the LayerNorms in fp32, their outputs
+    rounded to bf16 for the GEMMs, as torch.autocast does; "bf16" keeps the residual in bf16 too (fewer
+    bytes through the LayerNorms, a loss curve further from PyTorch's: benchmarks/bf16_residual.py)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
     if precision == "tf32" and "tf32" not in device.backend.MATMUL_PRECISIONS:
         raise ConfigError("precision tf32 is a GPU mode (tensor-core GEMMs); on the CPU use fp32")
+    if bf16_residual not in BF16_RESIDUALS:
+        raise ConfigError(f"unknown bf16_residual {bf16_residual!r}; allowed: {', '.join(BF16_RESIDUALS)}")
     model.compute_dtype = kiln.bfloat16 if precision == "bf16" else None
+    model.residual_dtype = kiln.float32 if precision == "bf16" and bf16_residual == "fp32" else None
     device.backend.set_matmul_precision("fp32" if precision == "fp64" else precision)
 
 

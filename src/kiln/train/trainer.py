@@ -135,7 +135,7 @@ class Trainer:
         self.model.to(self.device, dtype=self.parameter_dtype)
         if pretrained is not None:
             self.model.load_state_dict(pretrained.state_dict())
-        apply_precision(self.model, config.precision, self.device)
+        apply_precision(self.model, config.precision, self.device, config.bf16_residual)
         self.model_parallel = None  # tp x cp > 1: the model's shards on this rank (§4.2, §4.3)
         self.dense_model = self.model  # what rank 0 writes and samples from (tp/cp: gathered at the end)
 
@@ -625,7 +625,7 @@ class Trainer:
                 dense = GPT(self.model_config, generator=kiln.Generator(self.config.seed))
                 dense.to(self.device, dtype=self.parameter_dtype)
                 dense.load_state_dict(state)
-                apply_precision(dense, self.config.precision, self.device)
+                apply_precision(dense, self.config.precision, self.device, self.config.bf16_residual)
                 self.dense_model = dense
 
     # ------------------------------------------------------------------ checkpoints

@@ -14,8 +14,9 @@ def _row_dot(a, b):
     return np.einsum("ij,ij->i", a, b)[:, None]
 
 
-def layer_norm_fwd(x, weight, bias, eps):
-    """(y, mean, rstd) for y = (x - mean) * rstd * weight + bias over the last axis of x[N, C]."""
+def layer_norm_fwd(x, weight, bias, eps, out_dtype=None):
+    """(y, mean, rstd) for y = (x - mean) * rstd * weight + bias over the last axis of x[N, C]; y in
+    out_dtype (default x's)."""
     xf = upcast(x)
     c = xf.shape[-1]
     mean = xf.mean(axis=-1, keepdims=True)
@@ -28,7 +29,7 @@ def layer_norm_fwd(x, weight, bias, eps):
         y *= upcast(weight)
     if bias is not None:
         y += upcast(bias)
-    return y.astype(x.dtype, copy=False), mean[:, 0], rstd[:, 0]
+    return y.astype(out_dtype or x.dtype, copy=False), mean[:, 0], rstd[:, 0]
 
 
 def _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
@@ -59,18 +60,20 @@ def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dty
     return dx.astype(x.dtype, copy=False), dw, db
 
 
-def add_layer_norm_fwd(x, y, weight, bias, eps):
+def add_layer_norm_fwd(x, y, weight, bias, eps, out_dtype=None):
     """(s, h, mean, rstd) for s = x + y (rounded to x's dtype, as a separate add stores it) and
-    h = layer_norm(s) over the last axis of x[N, C] and y[N, C]."""
-    s = np.add(x, y)
-    h, mean, rstd = layer_norm_fwd(s, weight, bias, eps)
+    h = layer_norm(s) in out_dtype (default x's) over the last axis of x[N, C] and y[N, C] (y of x's
+    dtype or narrower)."""
+    s = np.add(x, y.astype(x.dtype, copy=False))
+    h, mean, rstd = layer_norm_fwd(s, weight, bias, eps, out_dtype)
     return s, h, mean, rstd
 
 
 def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
     """(dx, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h), added before dx is rounded.
 
-    dx is the gradient of both x and y. grad_s may be None (the sum was not used); grad_h may not."""
+    dx is the gradient of both x and y, in s's dtype. grad_s may be None (the sum was not used); grad_h
+    may not; grad_h may be narrower than s (the LayerNorm's output was)."""
     dx, dw, db = _dx_compute(grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
     if grad_s is not None:
         dx += upcast(grad_s)

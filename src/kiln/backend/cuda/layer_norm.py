@@ -7,6 +7,10 @@ add_layer_norm_fwd/_bwd fuse the residual add before a LayerNorm: one kernel rea
 writes s = x + y and layer_norm(s); the backward kernel adds the gradient of s into dx as it
 stores it (the gradient of both x and y), so neither the add nor autograd's gradient sum of the
 residual stream is a kernel of its own.
+
+An fp32 residual under bf16 activations (out_dtype, autocast's policy) runs the fp32 kernels: the
+branch y and the gradient of h are converted to fp32 first and h to out_dtype after, three extra
+passes that kernels templated over the residual's type would fold into the row loops (not built).
 """
 
 from __future__ import annotations
@@ -75,11 +79,11 @@ def _reg_ok(c: int, dtype, widths) -> bool:
     return c in widths and c % (32 * (16 // dtype.itemsize)) == 0
 
 
-def layer_norm_fwd(x, weight, bias, eps):
-    """(y, mean, rstd) for x[N, C]; mean and rstd are float32 [N]."""
+def layer_norm_fwd(x, weight, bias, eps, out_dtype=None):
+    """(y, mean, rstd) for x[N, C], y in out_dtype (default x's); mean and rstd are float32 [N]."""
     t = ctype(x.dtype)
     if t is None:
-        return cpu_fallback(cpu.layer_norm_fwd, x, weight, bias, eps)
+        return cpu_fallback(cpu.layer_norm_fwd, x, weight, bias, eps, out_dtype)
     cp = rt.cupy()
     x = contiguous(x)
     n, c = x.shape
@@ -95,7 +99,7 @@ def layer_norm_fwd(x, weight, bias, eps):
     else:
         get_kernel("layer_norm.cu", f"layer_norm_fwd_any<{t}>")(
             grid, (256,), (x, w, b, y, mean, rstd, i32(n), i32(c), f32(eps)))
-    return y, mean, rstd
+    return y.astype(out_dtype or x.dtype, copy=False), mean, rstd
 
 
 def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
@@ -106,11 +110,12 @@ def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dty
     return _bwd(None, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
 
 
-def add_layer_norm_fwd(x, y, weight, bias, eps):
-    """(s, h, mean, rstd) for s = x + y and h = layer_norm(s), x and y [N, C] of one dtype."""
+def add_layer_norm_fwd(x, y, weight, bias, eps, out_dtype=None):
+    """(s, h, mean, rstd) for s = x + y and h = layer_norm(s) in out_dtype (default x's), x and y [N, C],
+    y of x's dtype or narrower."""
     t = ctype(x.dtype)
     if t is None:
-        return cpu_fallback(cpu.add_layer_norm_fwd, x, y, weight, bias, eps)
+        return cpu_fallback(cpu.add_layer_norm_fwd, x, y, weight, bias, eps, out_dtype)
     cp = rt.cupy()
     x = contiguous(x)
     y = contiguous(y.astype(x.dtype, copy=False))
@@ -128,7 +133,7 @@ def add_layer_norm_fwd(x, y, weight, bias, eps):
     else:
         get_kernel("layer_norm.cu", f"add_layer_norm_fwd_any<{t}>")(
             grid, (256,), (x, y, w, b, s, h, mean, rstd, i32(n), i32(c), f32(eps)))
-    return s, h, mean, rstd
+    return s, h.astype(out_dtype or x.dtype, copy=False), mean, rstd
 
 
 def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
