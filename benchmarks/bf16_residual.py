@@ -6,6 +6,7 @@ Runs of one small GPT from the same weights on the same batches of the bundled c
   autocast        PyTorch eager under torch.autocast(bfloat16): fp32 residual, bf16 GEMM inputs
   torch-bf16res   the same with the residual stream cast to bf16 after the embeddings, as kiln-bf16res
   fp32            PyTorch in fp32
+  kiln-fp32       kiln in fp32: the floor two implementations' curves part by without bf16
 and the gaps between their per-step training losses: mean |gap| over all steps, over the last
 quarter, and the largest. Per-step training losses of bf16 runs part by rounding noise that grows
 with training: the mean |gap| over many steps, not any one step's, tells the policies apart.
@@ -27,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
-RUNS = ("kiln-bf16res", "kiln-fp32res", "autocast", "torch-bf16res", "fp32")
+RUNS = ("kiln-bf16res", "kiln-fp32res", "autocast", "torch-bf16res", "fp32", "kiln-fp32")
 PAIRS = (("kiln-bf16res", "autocast"), ("kiln-fp32res", "autocast"), ("kiln-bf16res", "torch-bf16res"),
          ("kiln-fp32res", "torch-bf16res"), ("autocast", "fp32"), ("torch-bf16res", "fp32"),
-         ("kiln-bf16res", "fp32"), ("kiln-fp32res", "fp32"))
+         ("kiln-bf16res", "fp32"), ("kiln-fp32res", "fp32"), ("kiln-fp32", "fp32"))
 
 
 def batches(args, n_tokens: int) -> np.ndarray:
@@ -51,7 +52,10 @@ def train_kiln(args, cfg, tokens, starts, run: str) -> list[float]:
     from kiln.train import apply_precision, plain_step
     dev = kiln.device("cpu")
     model = GPT(cfg, generator=kiln.Generator(args.seed))
-    apply_precision(model, "bf16", dev, bf16_residual=run.removeprefix("kiln-").removesuffix("res"))
+    if run == "kiln-fp32":
+        apply_precision(model, "fp32", dev)
+    else:
+        apply_precision(model, "bf16", dev, bf16_residual=run.removeprefix("kiln-").removesuffix("res"))
     opt = AdamW(gpt_param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     step = plain_step(model, opt, grad_clip=1.0)
     span = np.arange(args.seq_len + 1)

@@ -8,9 +8,9 @@ writes s = x + y and layer_norm(s); the backward kernel adds the gradient of s i
 stores it (the gradient of both x and y), so neither the add nor autograd's gradient sum of the
 residual stream is a kernel of its own.
 
-An fp32 residual under bf16 activations (out_dtype, autocast's policy) runs the fp32 kernels: the
-branch y and the gradient of h are converted to fp32 first and h to out_dtype after, three extra
-passes that kernels templated over the residual's type would fold into the row loops (not built).
+The kernels are templated over (R, T): R the LayerNorm input's type (the residual stream, its
+gradient, the affine weights), T the sublayer side's (the branch y, the output h and its gradient).
+R = T, or autocast's fp32 residual under bf16/fp16 sublayers (out_dtype), with no conversion pass.
 """
 
 from __future__ import annotations
@@ -42,20 +42,26 @@ LAYER_NORM_BWD_WIDTHS = (256, 512, 768, 1024)
 ADD_LAYER_NORM_WIDTHS = tuple(c for c in LAYER_NORM_WIDTHS if c <= 3072)
 
 
+# (R, T): the residual side's type and the sublayer side's: one dtype, or an fp32 residual under
+# bf16/fp16 sublayers (autocast's policy)
+TYPE_PAIRS = tuple((t, t) for t in FLOAT_CTYPES) + (("float", "__nv_bfloat16"), ("float", "__half"))
+
+
 def _instantiations():
     # layer_norm_* and add_layer_norm_* (the residual add fused with the LayerNorm after it);
     # dweight/dbias of both go through layer_norm_dwdb_*.
     out = []
-    for t in FLOAT_CTYPES:
+    for r, t in TYPE_PAIRS:
+        rt_ = f"{r}, {t}"
         for c in LAYER_NORM_WIDTHS:
             if c % (32 * (16 // (4 if t == "float" else 2))) == 0:
-                out.append(f"layer_norm_fwd_reg<{t}, {c}>")
+                out.append(f"layer_norm_fwd_reg<{rt_}, {c}>")
                 if c in ADD_LAYER_NORM_WIDTHS:
-                    out.append(f"add_layer_norm_fwd_reg<{t}, {c}>")
+                    out.append(f"add_layer_norm_fwd_reg<{rt_}, {c}>")
                 if c in LAYER_NORM_BWD_WIDTHS:
-                    out += [f"layer_norm_bwd_reg<{t}, {c}>", f"add_layer_norm_bwd_reg<{t}, {c}>"]
-        out += [f"layer_norm_fwd_any<{t}>", f"layer_norm_bwd_any<{t}>", f"add_layer_norm_fwd_any<{t}>",
-                f"add_layer_norm_bwd_any<{t}>", f"layer_norm_dwdb_any<{t}>"]
+                    out += [f"layer_norm_bwd_reg<{rt_}, {c}>", f"add_layer_norm_bwd_reg<{rt_}, {c}>"]
+        out += [f"layer_norm_fwd_any<{rt_}>", f"layer_norm_bwd_any<{rt_}>", f"add_layer_norm_fwd_any<{rt_}>",
+                f"add_layer_norm_bwd_any<{rt_}>", f"layer_norm_dwdb_any<{rt_}>"]
     return out + column_sum_finish_kernels(FLOAT_CTYPES)
 
 
@@ -76,12 +82,21 @@ def _constant(value: float, c: int, dtype):
 
 
 def _reg_ok(c: int, dtype, widths) -> bool:
+    """Whether the register kernels take width c; dtype: the sublayer side's (16 bytes of it a lane)."""
     return c in widths and c % (32 * (16 // dtype.itemsize)) == 0
+
+
+def _types(x_dtype, t_dtype):
+    """'R, T' of the kernels for a residual side of x_dtype and a sublayer side of t_dtype, or None when no
+    kernel is instantiated for the pair."""
+    pair = (ctype(x_dtype), ctype(t_dtype))
+    return f"{pair[0]}, {pair[1]}" if pair in TYPE_PAIRS else None
 
 
 def layer_norm_fwd(x, weight, bias, eps, out_dtype=None):
     """(y, mean, rstd) for x[N, C], y in out_dtype (default x's); mean and rstd are float32 [N]."""
-    t = ctype(x.dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    t = _types(x.dtype, out_dtype)
     if t is None:
         return cpu_fallback(cpu.layer_norm_fwd, x, weight, bias, eps, out_dtype)
     cp = rt.cupy()
@@ -89,17 +104,17 @@ def layer_norm_fwd(x, weight, bias, eps, out_dtype=None):
     n, c = x.shape
     w = _constant(1.0, c, x.dtype) if weight is None else contiguous(weight.astype(x.dtype, copy=False))
     b = _constant(0.0, c, x.dtype) if bias is None else contiguous(bias.astype(x.dtype, copy=False))
-    y = cp.empty_like(x)
+    y = cp.empty(x.shape, dtype=out_dtype)
     mean = cp.empty((n,), dtype=cp.float32)
     rstd = cp.empty((n,), dtype=cp.float32)
     grid = (cdiv(n, _ROWS_PER_BLOCK),)
-    if _reg_ok(c, x.dtype, LAYER_NORM_WIDTHS) and aligned16(x, y, w, b):
+    if _reg_ok(c, y.dtype, LAYER_NORM_WIDTHS) and aligned16(x, y, w, b):
         get_kernel("layer_norm.cu", f"layer_norm_fwd_reg<{t}, {c}>")(
             grid, (256,), (x, w, b, y, mean, rstd, i32(n), f32(eps)))
     else:
         get_kernel("layer_norm.cu", f"layer_norm_fwd_any<{t}>")(
             grid, (256,), (x, w, b, y, mean, rstd, i32(n), i32(c), f32(eps)))
-    return y.astype(out_dtype or x.dtype, copy=False), mean, rstd
+    return y, mean, rstd
 
 
 def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
@@ -113,27 +128,28 @@ def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dty
 def add_layer_norm_fwd(x, y, weight, bias, eps, out_dtype=None):
     """(s, h, mean, rstd) for s = x + y and h = layer_norm(s) in out_dtype (default x's), x and y [N, C],
     y of x's dtype or narrower."""
-    t = ctype(x.dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    t = _types(x.dtype, out_dtype)
     if t is None:
         return cpu_fallback(cpu.add_layer_norm_fwd, x, y, weight, bias, eps, out_dtype)
     cp = rt.cupy()
     x = contiguous(x)
-    y = contiguous(y.astype(x.dtype, copy=False))
+    y = contiguous(y.astype(out_dtype, copy=False))
     n, c = x.shape
     w = _constant(1.0, c, x.dtype) if weight is None else contiguous(weight.astype(x.dtype, copy=False))
     b = _constant(0.0, c, x.dtype) if bias is None else contiguous(bias.astype(x.dtype, copy=False))
     s = cp.empty_like(x)
-    h = cp.empty_like(x)
+    h = cp.empty(x.shape, dtype=out_dtype)
     mean = cp.empty((n,), dtype=cp.float32)
     rstd = cp.empty((n,), dtype=cp.float32)
     grid = (cdiv(n, _ROWS_PER_BLOCK),)
-    if _reg_ok(c, x.dtype, ADD_LAYER_NORM_WIDTHS) and aligned16(x, y, s, h, w, b):
+    if _reg_ok(c, h.dtype, ADD_LAYER_NORM_WIDTHS) and aligned16(x, y, s, h, w, b):
         get_kernel("layer_norm.cu", f"add_layer_norm_fwd_reg<{t}, {c}>")(
             grid, (256,), (x, y, w, b, s, h, mean, rstd, i32(n), f32(eps)))
     else:
         get_kernel("layer_norm.cu", f"add_layer_norm_fwd_any<{t}>")(
             grid, (256,), (x, y, w, b, s, h, mean, rstd, i32(n), i32(c), f32(eps)))
-    return s, h.astype(out_dtype or x.dtype, copy=False), mean, rstd
+    return s, h, mean, rstd
 
 
 def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
@@ -146,12 +162,15 @@ def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, 
 
 
 def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
-    """The LayerNorm backward of grad at x (plus grad_s into dx unless it is None)."""
-    t = ctype(x.dtype)
+    """The LayerNorm backward of grad at x (plus grad_s into dx unless it is None); grad in x's dtype or in
+    the narrower one of its output (kernels <R, T> for R x's type, T grad's)."""
+    if _types(x.dtype, grad.dtype) is None:  # a gradient in neither dtype: taken as x's
+        grad = grad.astype(x.dtype)
+    t = _types(x.dtype, grad.dtype)
     cp = rt.cupy()
     x = contiguous(x)
     n, c = x.shape
-    g = contiguous(grad.astype(x.dtype, copy=False))
+    g = contiguous(grad)
     ds = None if grad_s is None else contiguous(grad_s.astype(x.dtype, copy=False))
     add = "" if ds is None else "add_"
     head = () if ds is None else (ds,)
@@ -160,7 +179,7 @@ def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype
     rstd = contiguous(rstd.astype(cp.float32, copy=False))
     dx = cp.empty_like(x)
     parts, partial = 0, None
-    if _reg_ok(c, x.dtype, LAYER_NORM_BWD_WIDTHS) and aligned16(g, x, w, dx, ds):
+    if _reg_ok(c, g.dtype, LAYER_NORM_BWD_WIDTHS) and aligned16(g, x, w, dx, ds):
         parts = max(1, min(cdiv(n, _ROWS_PER_BLOCK), _MAX_BWD_BLOCKS))
         partial = cp.empty((2 * parts, c), dtype=cp.float32)
         get_kernel("layer_norm.cu", f"{add}layer_norm_bwd_reg<{t}, {c}>")(

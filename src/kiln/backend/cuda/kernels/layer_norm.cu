@@ -14,6 +14,11 @@
 // dx before it is stored (dx is then the gradient of both x and y). They share the row code
 // of the plain kernels (the kAdd template flag), and dweight/dbias go through the same
 // partial sums and `column_sum_finish`.
+//
+// Every kernel is templated over R, the type of the LayerNorm's input (the residual stream x, s,
+// their gradients and the affine weights), and T, the type of the sublayer side (the branch y, the
+// output, its gradient g): R = T, or autocast's fp32 residual under bf16/fp16 sublayers (R = float).
+// A lane takes V = 16 bytes of T at a time, so a chunk of R is one or two 16-byte packs.
 #include "column_sum.cuh"
 
 using namespace kiln;
@@ -30,15 +35,42 @@ __device__ __forceinline__ void ln_cp_async16(void* dst_shared, const void* src)
 __device__ __forceinline__ void ln_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void ln_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// V consecutive elements of E at p (16-byte aligned, V * sizeof(E) a multiple of 16) as floats.
+template <typename E, int V>
+__device__ __forceinline__ void ln_load(const E* __restrict__ p, float (&f)[V]) {
+    constexpr int N = Pack<E>::N;
+    static_assert(V % N == 0, "a chunk is whole packs");
+#pragma unroll
+    for (int k = 0; k < V / N; ++k) {
+        const Pack<E> a = load_pack(p + k * N);
+#pragma unroll
+        for (int j = 0; j < N; ++j) f[k * N + j] = to_float(a.v[j]);
+    }
+}
+
+// f rounded to E and stored at p.
+template <typename E, int V>
+__device__ __forceinline__ void ln_store(E* __restrict__ p, const float (&f)[V]) {
+    constexpr int N = Pack<E>::N;
+    static_assert(V % N == 0, "a chunk is whole packs");
+#pragma unroll
+    for (int k = 0; k < V / N; ++k) {
+        Pack<E> o;
+#pragma unroll
+        for (int j = 0; j < N; ++j) o.v[j] = from_float<E>(f[k * N + j]);
+        store_pack(p + k * N, o);
+    }
+}
+
 }  // namespace
 
 // The forward of one row per warp, the row held in registers (v): kAdd reads x and y and
 // stores s = x + y rounded to T, normalising exactly the values stored (so the backward, which
 // reads s, agrees with the forward); otherwise it normalises x. Writes out = normalised * w + b.
-template <typename T, int C, bool kAdd>
-__device__ __forceinline__ void ln_fwd_reg_row(const T* __restrict__ x, const T* __restrict__ y,
-                                               const T* __restrict__ w, const T* __restrict__ b,
-                                               T* __restrict__ s, T* __restrict__ out,
+template <typename R, typename T, int C, bool kAdd>
+__device__ __forceinline__ void ln_fwd_reg_row(const R* __restrict__ x, const T* __restrict__ y,
+                                               const R* __restrict__ w, const R* __restrict__ b,
+                                               R* __restrict__ s, T* __restrict__ out,
                                                float* __restrict__ mean, float* __restrict__ rstd,
                                                int n, float eps) {
     constexpr int V = Pack<T>::N;
@@ -53,24 +85,16 @@ __device__ __forceinline__ void ln_fwd_reg_row(const T* __restrict__ x, const T*
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         const int c0 = (p * 32 + lane) * V;
-        const Pack<T> a = load_pack(x + off + c0);
+        ln_load<R, V>(x + off + c0, v[p]);
         if constexpr (kAdd) {
-            const Pack<T> e = load_pack(y + off + c0);
-            Pack<T> o;
+            float e[V];
+            ln_load<T, V>(y + off + c0, e);
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                o.v[j] = from_float<T>(to_float(a.v[j]) + to_float(e.v[j]));
-                v[p][j] = to_float(o.v[j]);
-                sum += v[p][j];
-            }
-            store_pack(s + off + c0, o);
-        } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                v[p][j] = to_float(a.v[j]);
-                sum += v[p][j];
-            }
+            for (int j = 0; j < V; ++j) v[p][j] = to_float(from_float<R>(v[p][j] + e[j]));  // s as stored
+            ln_store<R, V>(s + off + c0, v[p]);
         }
+#pragma unroll
+        for (int j = 0; j < V; ++j) sum += v[p][j];
     }
     const float mu = warp_sum(sum) / C;
     float q = 0.0f;
@@ -85,13 +109,12 @@ __device__ __forceinline__ void ln_fwd_reg_row(const T* __restrict__ x, const T*
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         const int c0 = (p * 32 + lane) * V;
-        Pack<T> o;
-        const Pack<T> wp = load_pack(w + c0);
-        const Pack<T> bp = load_pack(b + c0);
+        float wf[V], bf[V];
+        ln_load<R, V>(w + c0, wf);
+        ln_load<R, V>(b + c0, bf);
 #pragma unroll
-        for (int j = 0; j < V; ++j)
-            o.v[j] = from_float<T>((v[p][j] - mu) * r * to_float(wp.v[j]) + to_float(bp.v[j]));
-        store_pack(out + off + c0, o);
+        for (int j = 0; j < V; ++j) wf[j] = (v[p][j] - mu) * r * wf[j] + bf[j];
+        ln_store<T, V>(out + off + c0, wf);
     }
     if (lane == 0) {
         mean[row] = mu;
@@ -101,18 +124,18 @@ __device__ __forceinline__ void ln_fwd_reg_row(const T* __restrict__ x, const T*
 
 // The same for any C, re-reading the row: kAdd's first pass writes s and the next two read it
 // back (this thread's own stores); otherwise all three passes read x.
-template <typename T, bool kAdd>
-__device__ __forceinline__ void ln_fwd_any_row(const T* __restrict__ x, const T* __restrict__ y,
-                                               const T* __restrict__ w, const T* __restrict__ b,
-                                               T* __restrict__ s, T* __restrict__ out,
+template <typename R, typename T, bool kAdd>
+__device__ __forceinline__ void ln_fwd_any_row(const R* __restrict__ x, const T* __restrict__ y,
+                                               const R* __restrict__ w, const R* __restrict__ b,
+                                               R* __restrict__ s, T* __restrict__ out,
                                                float* __restrict__ mean, float* __restrict__ rstd,
                                                int n, int C, float eps) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
     if (row >= n) return;
     const long long off = (long long)row * C;
-    const T* xr = x + off;
-    T* sr = kAdd ? s + off : nullptr;
+    const R* xr = x + off;
+    R* sr = kAdd ? s + off : nullptr;
     auto at = [&](int c) -> float {
         if constexpr (kAdd) return to_float(sr[c]);
         else return to_float(xr[c]);
@@ -120,7 +143,7 @@ __device__ __forceinline__ void ln_fwd_any_row(const T* __restrict__ x, const T*
     float sum = 0.0f;
     for (int c = lane; c < C; c += 32) {
         if constexpr (kAdd) {
-            const T v = from_float<T>(to_float(xr[c]) + to_float(y[off + c]));
+            const R v = from_float<R>(to_float(xr[c]) + to_float(y[off + c]));
             sr[c] = v;
             sum += to_float(v);
         } else {
@@ -144,39 +167,39 @@ __device__ __forceinline__ void ln_fwd_any_row(const T* __restrict__ x, const T*
     }
 }
 
-template <typename T, int C>
-__global__ void __launch_bounds__(256) layer_norm_fwd_reg(const T* __restrict__ x, const T* __restrict__ w,
-                                                          const T* __restrict__ b, T* __restrict__ y,
+template <typename R, typename T, int C>
+__global__ void __launch_bounds__(256) layer_norm_fwd_reg(const R* __restrict__ x, const R* __restrict__ w,
+                                                          const R* __restrict__ b, T* __restrict__ y,
                                                           float* __restrict__ mean, float* __restrict__ rstd,
                                                           int n, float eps) {
-    ln_fwd_reg_row<T, C, false>(x, nullptr, w, b, nullptr, y, mean, rstd, n, eps);
+    ln_fwd_reg_row<R, T, C, false>(x, nullptr, w, b, nullptr, y, mean, rstd, n, eps);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256) layer_norm_fwd_any(const T* __restrict__ x, const T* __restrict__ w,
-                                                          const T* __restrict__ b, T* __restrict__ y,
+template <typename R, typename T>
+__global__ void __launch_bounds__(256) layer_norm_fwd_any(const R* __restrict__ x, const R* __restrict__ w,
+                                                          const R* __restrict__ b, T* __restrict__ y,
                                                           float* __restrict__ mean, float* __restrict__ rstd,
                                                           int n, int C, float eps) {
-    ln_fwd_any_row<T, false>(x, nullptr, w, b, nullptr, y, mean, rstd, n, C, eps);
+    ln_fwd_any_row<R, T, false>(x, nullptr, w, b, nullptr, y, mean, rstd, n, C, eps);
 }
 
-// s = x + y (rounded to T) and h = layer_norm(s).
-template <typename T, int C>
-__global__ void __launch_bounds__(256) add_layer_norm_fwd_reg(const T* __restrict__ x, const T* __restrict__ y,
-                                                              const T* __restrict__ w, const T* __restrict__ b,
-                                                              T* __restrict__ s, T* __restrict__ h,
+// s = x + y (rounded to R) and h = layer_norm(s) (in T).
+template <typename R, typename T, int C>
+__global__ void __launch_bounds__(256) add_layer_norm_fwd_reg(const R* __restrict__ x, const T* __restrict__ y,
+                                                              const R* __restrict__ w, const R* __restrict__ b,
+                                                              R* __restrict__ s, T* __restrict__ h,
                                                               float* __restrict__ mean, float* __restrict__ rstd,
                                                               int n, float eps) {
-    ln_fwd_reg_row<T, C, true>(x, y, w, b, s, h, mean, rstd, n, eps);
+    ln_fwd_reg_row<R, T, C, true>(x, y, w, b, s, h, mean, rstd, n, eps);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256) add_layer_norm_fwd_any(const T* __restrict__ x, const T* __restrict__ y,
-                                                              const T* __restrict__ w, const T* __restrict__ b,
-                                                              T* __restrict__ s, T* __restrict__ h,
+template <typename R, typename T>
+__global__ void __launch_bounds__(256) add_layer_norm_fwd_any(const R* __restrict__ x, const T* __restrict__ y,
+                                                              const R* __restrict__ w, const R* __restrict__ b,
+                                                              R* __restrict__ s, T* __restrict__ h,
                                                               float* __restrict__ mean, float* __restrict__ rstd,
                                                               int n, int C, float eps) {
-    ln_fwd_any_row<T, true>(x, y, w, b, s, h, mean, rstd, n, C, eps);
+    ln_fwd_any_row<R, T, true>(x, y, w, b, s, h, mean, rstd, n, C, eps);
 }
 
 // dx for the rows of this block's warps, and this block's partial dweight/dbias sums in
@@ -187,17 +210,18 @@ __global__ void __launch_bounds__(256) add_layer_norm_fwd_any(const T* __restric
 // registers there, ptxas keeps it live across the row and the 16-bit C = 768 kernel (GPT-2
 // 124M) takes 156 registers instead of 127, one block per SM instead of two; loaded where it
 // is added, its latency comes after the reductions, on every row's critical path.
-template <typename T, int C, bool kAdd>
-__device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ ds, const T* __restrict__ g,
-                                           const T* __restrict__ x, const T* __restrict__ w,
+template <typename R, typename T, int C, bool kAdd>
+__device__ __forceinline__ void ln_bwd_reg(const R* __restrict__ ds, const T* __restrict__ g,
+                                           const R* __restrict__ x, const R* __restrict__ w,
                                            const float* __restrict__ mean, const float* __restrict__ rstd,
-                                           T* __restrict__ dx, float* __restrict__ partial, int n) {
+                                           R* __restrict__ dx, float* __restrict__ partial, int n) {
     constexpr int V = Pack<T>::N;
     constexpr int P = C / (32 * V);
+    constexpr int K = V / Pack<R>::N;  // 16-byte packs of R in a lane's chunk of V elements
     static_assert(C % (32 * V) == 0, "C must be a multiple of 32 packs");
     __shared__ float sdw[C];
     __shared__ float sdb[C];
-    __shared__ int4 sds[kAdd ? kLnWarps * P * 32 : 1];  // one row of ds per warp, a pack per lane
+    __shared__ int4 sds[kAdd ? kLnWarps * P * 32 * K : 1];  // one row of ds per warp, a chunk per lane
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float adw[P][V], adb[P][V];
 #pragma unroll
@@ -206,12 +230,16 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ ds, const T* __
         for (int j = 0; j < V; ++j) adw[p][j] = adb[p][j] = 0.0f;
     for (int row = blockIdx.x * kLnWarps + warp; row < n; row += gridDim.x * kLnWarps) {
         const T* gr = g + (long long)row * C;
-        const T* xr = x + (long long)row * C;
+        const R* xr = x + (long long)row * C;
         const float mu = mean[row], r = rstd[row];
         if constexpr (kAdd) {
-            const T* dsr = ds + (long long)row * C;
+            const R* dsr = ds + (long long)row * C;
 #pragma unroll
-            for (int p = 0; p < P; ++p) ln_cp_async16(&sds[(warp * P + p) * 32 + lane], dsr + (p * 32 + lane) * V);
+            for (int p = 0; p < P; ++p)
+#pragma unroll
+                for (int k = 0; k < K; ++k)
+                    ln_cp_async16(&sds[((warp * P + p) * 32 + lane) * K + k],
+                                  dsr + (p * 32 + lane) * V + k * Pack<R>::N);
             ln_cp_async_commit();
         }
         float gv[P][V], xh[P][V];
@@ -219,16 +247,17 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ ds, const T* __
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             const int c0 = (p * 32 + lane) * V;
-            const Pack<T> gp = load_pack(gr + c0);
-            const Pack<T> xp = load_pack(xr + c0);
-            const Pack<T> wp = load_pack(w + c0);
+            float wf[V];
+            ln_load<T, V>(gr + c0, gv[p]);
+            ln_load<R, V>(xr + c0, xh[p]);
+            ln_load<R, V>(w + c0, wf);
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                const float gg = to_float(gp.v[j]);
-                const float xhat = (to_float(xp.v[j]) - mu) * r;
+                const float gg = gv[p][j];
+                const float xhat = (xh[p][j] - mu) * r;
                 adw[p][j] += gg * xhat;
                 adb[p][j] += gg;
-                const float gw = gg * to_float(wp.v[j]);
+                const float gw = gg * wf[j];
                 gv[p][j] = gw;
                 xh[p][j] = xhat;
                 sa += gw;
@@ -237,22 +266,20 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ ds, const T* __
         }
         const float a = warp_sum(sa) / C, bb = warp_sum(sb) / C;
         if constexpr (kAdd) ln_cp_async_wait_all();  // this lane's own copies: no barrier needed
-        T* dxr = dx + (long long)row * C;
+        R* dxr = dx + (long long)row * C;
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             const int c0 = (p * 32 + lane) * V;
-            Pack<T> o;
+            float d[V];
+#pragma unroll
+            for (int j = 0; j < V; ++j) d[j] = r * (gv[p][j] - a - xh[p][j] * bb);
             if constexpr (kAdd) {
-                Pack<T> dp;
-                *reinterpret_cast<int4*>(&dp) = sds[(warp * P + p) * 32 + lane];
+                float dsf[V];
+                ln_load<R, V>(reinterpret_cast<const R*>(&sds[((warp * P + p) * 32 + lane) * K]), dsf);
 #pragma unroll
-                for (int j = 0; j < V; ++j)
-                    o.v[j] = from_float<T>(r * (gv[p][j] - a - xh[p][j] * bb) + to_float(dp.v[j]));
-            } else {
-#pragma unroll
-                for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(r * (gv[p][j] - a - xh[p][j] * bb));
+                for (int j = 0; j < V; ++j) d[j] += dsf[j];
             }
-            store_pack(dxr + c0, o);
+            ln_store<R, V>(dxr + c0, d);
         }
     }
     for (int c = threadIdx.x; c < C; c += blockDim.x) sdw[c] = sdb[c] = 0.0f;
@@ -278,37 +305,37 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ ds, const T* __
     }
 }
 
-template <typename T, int C>
-__global__ void __launch_bounds__(256) layer_norm_bwd_reg(const T* __restrict__ g, const T* __restrict__ x,
-                                                          const T* __restrict__ w,
+template <typename R, typename T, int C>
+__global__ void __launch_bounds__(256) layer_norm_bwd_reg(const T* __restrict__ g, const R* __restrict__ x,
+                                                          const R* __restrict__ w,
                                                           const float* __restrict__ mean,
-                                                          const float* __restrict__ rstd, T* __restrict__ dx,
+                                                          const float* __restrict__ rstd, R* __restrict__ dx,
                                                           float* __restrict__ partial, int n) {
-    ln_bwd_reg<T, C, false>(nullptr, g, x, w, mean, rstd, dx, partial, n);
+    ln_bwd_reg<R, T, C, false>(nullptr, g, x, w, mean, rstd, dx, partial, n);
 }
 
 // dx = ds + layer_norm_bwd(g) for s = x + y, the saved sum (here `s`); dx is the gradient of x and y.
-template <typename T, int C>
-__global__ void __launch_bounds__(256) add_layer_norm_bwd_reg(const T* __restrict__ ds, const T* __restrict__ g,
-                                                              const T* __restrict__ s, const T* __restrict__ w,
+template <typename R, typename T, int C>
+__global__ void __launch_bounds__(256) add_layer_norm_bwd_reg(const R* __restrict__ ds, const T* __restrict__ g,
+                                                              const R* __restrict__ s, const R* __restrict__ w,
                                                               const float* __restrict__ mean,
                                                               const float* __restrict__ rstd,
-                                                              T* __restrict__ dx, float* __restrict__ partial,
+                                                              R* __restrict__ dx, float* __restrict__ partial,
                                                               int n) {
-    ln_bwd_reg<T, C, true>(ds, g, s, w, mean, rstd, dx, partial, n);
+    ln_bwd_reg<R, T, C, true>(ds, g, s, w, mean, rstd, dx, partial, n);
 }
 
 // dx only, any C: one warp per row, three passes over the row (kAdd: dx += ds).
-template <typename T, bool kAdd>
-__device__ __forceinline__ void ln_bwd_any(const T* __restrict__ ds, const T* __restrict__ g,
-                                           const T* __restrict__ x, const T* __restrict__ w,
+template <typename R, typename T, bool kAdd>
+__device__ __forceinline__ void ln_bwd_any(const R* __restrict__ ds, const T* __restrict__ g,
+                                           const R* __restrict__ x, const R* __restrict__ w,
                                            const float* __restrict__ mean, const float* __restrict__ rstd,
-                                           T* __restrict__ dx, int n, int C) {
+                                           R* __restrict__ dx, int n, int C) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
     if (row >= n) return;
     const T* gr = g + (long long)row * C;
-    const T* xr = x + (long long)row * C;
+    const R* xr = x + (long long)row * C;
     const float mu = mean[row], r = rstd[row];
     float sa = 0.0f, sb = 0.0f;
     for (int c = lane; c < C; c += 32) {
@@ -317,38 +344,38 @@ __device__ __forceinline__ void ln_bwd_any(const T* __restrict__ ds, const T* __
         sb += gw * (to_float(xr[c]) - mu) * r;
     }
     const float a = warp_sum(sa) / C, bb = warp_sum(sb) / C;
-    T* dxr = dx + (long long)row * C;
+    R* dxr = dx + (long long)row * C;
     for (int c = lane; c < C; c += 32) {
         const float gw = to_float(gr[c]) * to_float(w[c]);
         const float xhat = (to_float(xr[c]) - mu) * r;
         float d = r * (gw - a - xhat * bb);
         if constexpr (kAdd) d += to_float(ds[(long long)row * C + c]);
-        dxr[c] = from_float<T>(d);
+        dxr[c] = from_float<R>(d);
     }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256) layer_norm_bwd_any(const T* __restrict__ g, const T* __restrict__ x,
-                                                          const T* __restrict__ w,
+template <typename R, typename T>
+__global__ void __launch_bounds__(256) layer_norm_bwd_any(const T* __restrict__ g, const R* __restrict__ x,
+                                                          const R* __restrict__ w,
                                                           const float* __restrict__ mean,
-                                                          const float* __restrict__ rstd, T* __restrict__ dx,
+                                                          const float* __restrict__ rstd, R* __restrict__ dx,
                                                           int n, int C) {
-    ln_bwd_any<T, false>(nullptr, g, x, w, mean, rstd, dx, n, C);
+    ln_bwd_any<R, T, false>(nullptr, g, x, w, mean, rstd, dx, n, C);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256) add_layer_norm_bwd_any(const T* __restrict__ ds, const T* __restrict__ g,
-                                                              const T* __restrict__ s, const T* __restrict__ w,
+template <typename R, typename T>
+__global__ void __launch_bounds__(256) add_layer_norm_bwd_any(const R* __restrict__ ds, const T* __restrict__ g,
+                                                              const R* __restrict__ s, const R* __restrict__ w,
                                                               const float* __restrict__ mean,
                                                               const float* __restrict__ rstd,
-                                                              T* __restrict__ dx, int n, int C) {
-    ln_bwd_any<T, true>(ds, g, s, w, mean, rstd, dx, n, C);
+                                                              R* __restrict__ dx, int n, int C) {
+    ln_bwd_any<R, T, true>(ds, g, s, w, mean, rstd, dx, n, C);
 }
 
 // Partial dweight/dbias over a chunk of rows for 32 columns: block (256) = 32 columns x 8 row
 // lanes, grid (ceil(C / 32), chunks). Writes partial[chunk][C] and partial[chunks + chunk][C].
-template <typename T>
-__global__ void __launch_bounds__(256) layer_norm_dwdb_any(const T* __restrict__ g, const T* __restrict__ x,
+template <typename R, typename T>
+__global__ void __launch_bounds__(256) layer_norm_dwdb_any(const T* __restrict__ g, const R* __restrict__ x,
                                                            const float* __restrict__ mean,
                                                            const float* __restrict__ rstd,
                                                            float* __restrict__ partial, int n, int C,
