@@ -14,6 +14,8 @@
 # Python source files): fidelity-fp32 (kiln and eager, ~400 s: a call of its own), fidelity-fp32-compile
 # (~250 s: the fp32 band) and fidelity-bf16 (kiln, eager, compile, ~250 s), the last two one call; then on
 # any machine: python benchmarks/fidelity.py --merge benchmarks/results/fidelity/fidelity-<date>-2000steps-*.json
+# bf16res (issues 14/17: the LayerNorm kernels over an fp32 residual, their tests and the precision logger's,
+# and kiln's bf16 step with the old bf16 residual, to set beside gpt2's default fp32 residual, ~200 s)
 # launch (kiln launch --nproc 1 with an injected kill and an injected NaN, recovered), launch-tests
 # (issue 16's CUDA tests: recovery bit for bit, NCCL abort through the store, NVML and NUMA pinning),
 # overlap (a DDP step's bucket collectives against backward, traced), ceilings (GEMM and copy, measured afresh),
@@ -48,6 +50,10 @@ for p in "$@"; do
                     tests/test_op_*.py tests/test_launch*.py tests/test_parallel_world_one.py \
                     tests/test_precision.py tests/test_profiler.py ;;
         gpt2) part gpt2_step 190 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
+        bf16res) part ln-tests 150 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
+                     tests/test_op_layer_norm.py tests/test_precision.py tests/test_cuda_model.py
+                 part gpt2_step-bf16-residual-bf16 100 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 \
+                     --warmup 10 --frameworks kiln --bf16-residual bf16 --out "$LOGS/gpt2-bf16-residual-bf16" ;;
         ddp) part ddp 100 python3 benchmarks/ddp.py --steps 20 --warmup 5 ;;
         tp) part tp 120 python3 benchmarks/tp.py ;;
         cp) part cp 50 python3 benchmarks/cp.py --seq-lens 16384 ;;
