@@ -53,7 +53,7 @@ FRAMEWORKS = ("kiln", "eager", "compile")
 MODES = ("fp32", "tf32", "bf16")
 # what two result files must share to be one run, joined by --merge
 SAME_RUN = ("commit", "device", "torch", "data_meta", "batch", "model", "overrides", "steps", "eval_interval",
-            "eval_iters", "schedule", "seed")
+            "eval_iters", "schedule", "seed", "bf16_residual")
 
 
 def python_sources(site_packages: bool) -> list[Path]:
