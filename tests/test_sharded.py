@@ -251,11 +251,17 @@ def test_export_reads_a_sharded_run_pruning_removes_its_shards_and_a_corrupt_sha
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"model": vars(model.config), "tokenizer": "bytes"}))
     folder = CheckpointFolder(run / "checkpoints", keep=1)
+    barrier, order = zero.group.barrier, []
+    zero.group.barrier = lambda: (order.append("barrier"), barrier())
     for step in (1, 2):
         model(kiln.tensor(np.full((1, 8), step)), kiln.tensor(np.ones((1, 8), dtype=np.int64)))[1].backward()
         zero.wait_gradients()
         zero.optimizer.step()
-        folder.commit(save_sharded(folder.path_for(step), model, None, zero))
+        save_sharded(folder.path_for(step), model, None, zero,
+                     on_saved=lambda out: (order.append("commit"), folder.commit(out)))
+    # rank 0 commits before the barrier: a rank killed right after a checkpoint leaves it the newest
+    assert order == ["commit", "barrier"] * 2
+    zero.group.barrier = barrier
     assert sorted(p.name for p in folder.folder.iterdir()) == [
         "ckpt-00000002.kiln", "ckpt-00000002.shard-00000-of-00001.kiln", "latest.json"]
     ByteTokenizer().save(run)

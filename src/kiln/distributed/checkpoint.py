@@ -68,10 +68,13 @@ class _Layout:
                 yield n, p, a, b, {k: None if v is None else v[a - lo:b - lo] for k, v in views.items()}, s
 
 
-def save_sharded(path, model, optimizer, wrapper=None, group=None, state: dict | None = None) -> dict:
+def save_sharded(path, model, optimizer, wrapper=None, group=None, state: dict | None = None,
+                 on_saved=None) -> dict:
     """Collective over group: every rank writes its shard of model's parameters and optimizer's
     moments (wrapper: the ZeRO/FSDP/DDP wrapper, or None for one process), rank 0 the manifest
-    naming them with `state` (JSON values and arrays). Returns rank 0's {"path", "bytes", "checksum"}."""
+    naming them with `state` (JSON values and arrays). Returns rank 0's {"path", "bytes", "checksum"}.
+    on_saved(that) runs on rank 0 before any rank returns (a CheckpointFolder's commit: a rank that
+    dies right after the checkpoint leaves it committed as the newest)."""
     from kiln.distributed.process_group import get_world
     group = group or get_world()
     layout = _Layout(model, optimizer, wrapper, group)
@@ -94,7 +97,9 @@ def save_sharded(path, model, optimizer, wrapper=None, group=None, state: dict |
                                          for g in adamw.param_groups]},
                 "state": state or {}}
     out = save(path, manifest) if group.rank == 0 else None
-    group.barrier()  # the manifest is on disk before anyone goes on
+    if out is not None and on_saved is not None:
+        on_saved(out)
+    group.barrier()  # the manifest is on disk (and committed) before anyone goes on
     return out
 
 

@@ -746,10 +746,8 @@ class Trainer:
         t0 = time.perf_counter()
         if self.shard_files:  # collective: each rank writes its own shard, rank 0 the manifest
             from kiln.distributed.checkpoint import save_sharded
-            result = save_sharded(checkpoints.path_for(self.step), self.model, self.adamw, self.ddp, self.group,
-                                  state=to_host(self.state_dict()))
-            if self.rank == 0:
-                checkpoints.commit(result)
+            save_sharded(checkpoints.path_for(self.step), self.model, self.adamw, self.ddp, self.group,
+                         state=to_host(self.state_dict()), on_saved=checkpoints.commit)
             self.checkpoint_stalls.append(time.perf_counter() - t0)
             return self.step
         state = self.state_dict()  # tp/cp: the dense state, gathered on every rank (collective)
