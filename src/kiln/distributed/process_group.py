@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import weakref
 
 from kiln.distributed.environment import Environment, detect
@@ -232,6 +233,9 @@ def _abort_on_uncaught_exceptions() -> None:
     sys.excepthook = hook
 
 
+_ABORT_GRACE_S = 0.2
+
+
 def abort_job(reason: str) -> None:
     """Tear the whole run down now (MPI_Abort / ncclCommAbort), saying why on stderr: for a rank
     that must stop while the others may be inside a collective with it (the CLI on an error)."""
@@ -239,6 +243,9 @@ def abort_job(reason: str) -> None:
         return
     sys.stderr.write(f"kiln: aborting all {_world.size} ranks: {reason}\n")
     sys.stderr.flush()
+    # mpiexec's proxy forwards a rank's stderr from a pipe; MPI_Abort right after the write lets it
+    # kill the job before reading the last lines (1 run in 6 lost this one). A moment to read them:
+    time.sleep(_ABORT_GRACE_S)
     _world.abort()
 
 
