@@ -4,9 +4,9 @@
 #
 #   OUT=/tmp/out bash benchmarks/device_check.sh tests gpt2 ddp tp cp tptrace precision profile launch
 #
-# Parts: tests (pytest -m "cuda and not slow", ~550 s on a fresh machine: a call of its own), or the same in
-# two halves, tests1 (~400 s: GEMMs, graphs, model, staging, distributed) and tests2 (~150 s: the op families,
-# launch, precision, profiler), gpt2 (gpt2_step bf16: kiln vs eager vs compile),
+# Parts: tests (pytest -m "cuda and not slow" through benchmarks/cuda_suite.py: every kernel family compiled at once
+# into the kernel cache, then the tests in 4 shards side by side on the GPU, a log each; the serial suite took ~550 s),
+# gpt2 (gpt2_step bf16: kiln vs eager vs compile),
 # ddp / tp / cp (the parallel benchmarks at world size 1), tptrace (the async-TP schedule, N = 1 and 4,
 # in a CUPTI trace at world size 1), precision (kiln compare on the GPU in
 # bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), the paper's Figure 3
@@ -42,13 +42,7 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND with a time limit, its out
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/summary.txt"
 for p in "$@"; do
     case $p in
-        tests) part pytest-cuda 580 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider tests ;;
-        tests1) part pytest-cuda-1 450 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
-                    $(ls tests/test_*.py | grep -v -e test_op_ -e test_launch -e test_parallel_world_one \
-                      -e test_precision -e test_profiler) ;;
-        tests2) part pytest-cuda-2 300 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
-                    tests/test_op_*.py tests/test_launch*.py tests/test_parallel_world_one.py \
-                    tests/test_precision.py tests/test_profiler.py ;;
+        tests) part pytest-cuda 580 python3 benchmarks/cuda_suite.py --shards 4 --logs "$LOGS" ;;
         gpt2) part gpt2_step 190 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
         bf16res) part ln-tests 150 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
                      tests/test_op_layer_norm.py tests/test_precision.py tests/test_cuda_model.py
