@@ -30,6 +30,13 @@ set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+archive() {  # what the benchmarks wrote under benchmarks/results/ in this call, and the logs: one archive back,
+    # remade after every part, so a call cut off at its limit still returns the parts before
+    find benchmarks/results -newer "$LOGS/.start" -type f |
+        tar -czf "$OUT/device-check.tgz.tmp" -T - -C "$(dirname "$LOGS")" device-check &&
+        mv "$OUT/device-check.tgz.tmp" "$OUT/device-check.tgz"
+    cp "$LOGS/summary.txt" "$OUT/"
+}
 part() {  # part NAME SECONDS COMMAND...: run COMMAND with a time limit, its output into NAME.log
     local name=$1 limit=$2; shift 2
     local t0=$SECONDS rc
@@ -37,6 +44,7 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND with a time limit, its out
     rc=$?
     echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
     tail -n 4 "$LOGS/$name.log"
+    archive
     return $rc
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/summary.txt"
@@ -91,6 +99,3 @@ for p in "$@"; do
         *) echo "unknown part $p" ;;
     esac
 done
-# what the benchmarks wrote under benchmarks/results/ in this call, and the logs: one archive back
-find benchmarks/results -newer "$LOGS/.start" -type f | tar -czf "$OUT/device-check.tgz" -T - -C "$(dirname "$LOGS")" device-check
-cp "$LOGS/summary.txt" "$OUT/"
