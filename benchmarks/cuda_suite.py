@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import multiprocessing
 import os
 import re
 import signal
@@ -36,7 +37,9 @@ def prebuild(arch: str, workers: int) -> None:
     import kiln.backend.cuda  # noqa: F401
     from kiln.backend.cuda.compiler import FAMILIES
     t0 = time.perf_counter()
-    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+    # spawned, not forked: the parent has a CUDA context (it asked the device its arch)
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
         for family, seconds in pool.map(_compile, sorted(FAMILIES), [arch] * len(FAMILIES)):
             print(f"  {family}: {seconds:.1f} s", flush=True)
     print(f"kernel cache: {len(FAMILIES)} families in {time.perf_counter() - t0:.1f} s", flush=True)
