@@ -96,24 +96,17 @@ def test_a_kernel_opts_in_to_dynamic_shared_memory_past_48_kib_once(monkeypatch)
     """cudaFuncSetAttribute(MaxDynamicSharedMemorySize) is set at the first launch that needs more
     than the default 48 KiB (attention_fwd_tma's 145-225 KiB), raised when a later launch needs more,
     and left alone otherwise."""
-    from kiln.backend.cuda import device
+    from kiln.backend.cuda import device, launch
     from kiln.backend.cuda.launch import Kernel
 
     class Function:
         def __init__(self):
             self.attribute_sets, self.launches = [], []
 
-        @property
-        def max_dynamic_shared_size_bytes(self):
-            return self.attribute_sets[-1] if self.attribute_sets else 48 * 1024
-
-        @max_dynamic_shared_size_bytes.setter
-        def max_dynamic_shared_size_bytes(self, n):
-            self.attribute_sets.append(n)
-
         def __call__(self, grid, block, args, shared_mem, stream):
             self.launches.append(shared_mem)
 
+    monkeypatch.setattr(launch, "set_max_dynamic_shared", lambda f, n: f.attribute_sets.append(n))
     monkeypatch.setattr(device, "stream", lambda: None)
     fn = Function()
     k = Kernel("attention.cu", "k", fn)

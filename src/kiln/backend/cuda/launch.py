@@ -126,6 +126,15 @@ def cpu_fallback(fn, *args):
 
 
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory past this needs the kernel's opt-in attribute
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # cuda.h's CUfunction_attribute
+
+
+def set_max_dynamic_shared(function, nbytes: int) -> None:
+    """cuFuncSetAttribute(MaxDynamicSharedMemorySize) on a CuPy Function (a cubin module's) or the Function
+    inside a RawKernel (a RawModule's). CuPy's Function has no property for it: only RawKernel does."""
+    import cupy
+    func = getattr(function, "kernel", function)
+    cupy.cuda.driver.funcSetAttribute(func.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
 
 
 class Kernel:
@@ -144,7 +153,7 @@ class Kernel:
         if any(g <= 0 for g in grid):
             return  # an empty launch (zero rows): nothing to do
         if shared_mem > self._dynamic_shared:  # cudaFuncSetAttribute(MaxDynamicSharedMemorySize), once
-            self._fn.max_dynamic_shared_size_bytes = int(shared_mem)
+            set_max_dynamic_shared(self._fn, shared_mem)
             self._dynamic_shared = int(shared_mem)
         self._fn(grid, block, args, shared_mem=shared_mem, stream=device.stream())
 
