@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import BF16, median_ms  # noqa: E402
+from kernel_speed import BF16, median_ms  # noqa: E402
 from result_file import commit, write_json
 
 SHAPES = [  # (B, H, T, D)

@@ -1,6 +1,6 @@
 """kiln's CUDA kernels against PyTorch on the same GPU, in one process, at the paper's shapes.
 
-    python benchmarks/kernels.py [--iters 50] [--only gelu,layer_norm,...]
+    python benchmarks/kernel_speed.py [--iters 50] [--only gelu,layer_norm,...]
 
 Per kernel family and dtype: median milliseconds of kiln and of PyTorch, and the GB/s of the
 bytes that must move (memory-bound kernels) or TFLOP/s (attention). Prints a table and writes
