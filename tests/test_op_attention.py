@@ -380,3 +380,11 @@ def test_tma_map_arguments_refuse_what_the_driver_would():
     with pytest.raises(ShapeError, match="bfloat16 or float16, got float32"):
         encode_arguments((1, 1, 4, 64), (1024, 1024, 256, 4), "float32", 4, 128)
 
+
+@pytest.mark.cuda
+def test_attention_fwd_tma_of_no_query_rows_is_empty(gpu, rng, tma):
+    """No query rows: nothing launched and no tensor map encoded (TMA refuses an empty dimension),
+    as the default forward returns empty arrays."""
+    k, v = (gpu.asarray(rand((2, 3, 5, 64), ml_dtypes.bfloat16, rng)) for _ in range(2))
+    out, lse = gpu.attention_fwd(gpu.asarray(np.zeros((2, 3, 0, 64), ml_dtypes.bfloat16)), k, v, 0.125)
+    assert out.shape == (2, 3, 0, 64) and lse.shape == (2, 3, 0)

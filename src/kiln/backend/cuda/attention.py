@@ -186,6 +186,8 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     if variant != "wgmma":
         pingpong = "true" if variant == "tma-pingpong" else "false"
         jobs = cdiv(n_q, TMA_ROWS) * b * h  # a persistent kernel: one block per SM walks the jobs
+        if jobs == 0:  # no query rows: nothing to launch, and TMA cannot map an empty dimension
+            return out, lse
         get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}, {pingpong}>")(
             (min(jobs, rt.sm_count()),), (TMA_THREADS,),
             (tile_map(q, TMA_ROWS), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS), out, lse, i32(n_q), i32(n_k),
