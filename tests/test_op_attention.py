@@ -323,3 +323,68 @@ def test_tma_map_strides_of_packed_views_and_unit_axes():
     assert strides_bytes(one.shape, one.strides, 2) == [d * 2, t * d * 2, t * d * 2]
     with pytest.raises(ShapeError, match="multiples of 16 bytes, got 72 bytes"):
         strides_bytes((1, 1, 4, 32), (0, 0, 72, 2), 2)
+
+
+def _cuda_h_enum(text: str, typedef: str) -> dict:
+    """{name: value} of `typedef enum ... { ... } typedef;` in cuda.h (implicit values count on)."""
+    import re
+    body = re.search(r"typedef enum \w+\s*\{([^}]*)\}\s*" + typedef + r"\s*;", text).group(1)
+    out, nxt = {}, 0
+    for entry in re.sub(r"//[^\n]*|/\*.*?\*/", "", body, flags=re.S).split(","):
+        if entry.strip():
+            name, _, value = entry.partition("=")
+            nxt = int(value.strip(), 0) if value.strip() else nxt
+            out[name.strip()] = nxt
+            nxt += 1
+    return out
+
+
+def test_tma_map_arguments_are_cuda_h_values_for_the_kernels_boxes():
+    """cuTensorMapEncodeTiled's arguments, hand-computed: a contiguous bf16 [2, 3, 300, 64] and a
+    packed fp16 [B, T, 3, H, 128] view, Q's boxes of 128 rows; the enum values are cuda.h's own
+    (read from the header NVRTC compiles against)."""
+    from pathlib import Path
+
+    from kiln.backend.cuda import compiler
+    from kiln.backend.cuda.tma import encode_arguments
+    a = np.zeros((2, 3, 300, 64), dtype=ml_dtypes.bfloat16)
+    assert encode_arguments(a.shape, a.strides, "bfloat16", 2, 128) == (
+        9, 4, (64, 300, 3, 2), (128, 300 * 128, 3 * 300 * 128), (64, 128, 1, 1), (1, 1, 1, 1), 0, 3, 2, 0)
+    b, t, h, d = 2, 5, 3, 128
+    view = np.zeros((b, t, 3, h, d), dtype=np.float16)[:, :, 1].transpose(0, 2, 1, 3)
+    row, head, batch = 3 * h * d * 2, d * 2, t * 3 * h * d * 2
+    assert encode_arguments(view.shape, view.strides, "float16", 2, 128) == (
+        6, 4, (d, t, h, b), (row, head, batch), (64, 128, 1, 1), (1, 1, 1, 1), 0, 3, 2, 0)
+    headers = [Path(p) / "cuda.h" for p in compiler.cuda_include_dirs() if (Path(p) / "cuda.h").exists()]
+    if not headers:
+        pytest.skip("cuda.h not found (pip install nvidia-cuda-runtime)")
+    text = headers[0].read_text(errors="replace")
+    types = _cuda_h_enum(text, "CUtensorMapDataType")
+    assert (types["CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"], types["CU_TENSOR_MAP_DATA_TYPE_FLOAT16"]) == (9, 6)
+    assert _cuda_h_enum(text, "CUtensorMapInterleave")["CU_TENSOR_MAP_INTERLEAVE_NONE"] == 0
+    assert _cuda_h_enum(text, "CUtensorMapSwizzle")["CU_TENSOR_MAP_SWIZZLE_128B"] == 3
+    assert _cuda_h_enum(text, "CUtensorMapL2promotion")["CU_TENSOR_MAP_L2_PROMOTION_L2_128B"] == 2
+    assert _cuda_h_enum(text, "CUtensorMapFloatOOBfill")["CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE"] == 0
+
+
+def test_tma_map_arguments_refuse_what_the_driver_would():
+    """Empty dimensions, strides at 2^40, boxes past 256 rows and other dtypes get kiln's message,
+    not a bare CUDA_ERROR_INVALID_VALUE from the driver."""
+    from kiln.backend.cuda.tma import encode_arguments
+    with pytest.raises(ShapeError, match="every dimension in 1..2\\^31, got shape \\(2, 3, 0, 64\\)"):
+        encode_arguments((2, 3, 0, 64), (0, 0, 128, 2), "bfloat16", 2, 128)
+    with pytest.raises(ShapeError, match="strides below 2\\^40"):
+        encode_arguments((2, 1, 4, 64), (2**40, 512, 128, 2), "bfloat16", 2, 128)
+    with pytest.raises(ShapeError, match="at most 256 rows, got 512"):
+        encode_arguments((1, 1, 4, 64), (512, 512, 128, 2), "float16", 2, 512)
+    with pytest.raises(ShapeError, match="bfloat16 or float16, got float32"):
+        encode_arguments((1, 1, 4, 64), (1024, 1024, 256, 4), "float32", 4, 128)
+
+
+@pytest.mark.cuda
+def test_attention_fwd_tma_of_no_query_rows_is_empty(gpu, rng, tma):
+    """No query rows: nothing launched and no tensor map encoded (TMA refuses an empty dimension),
+    as the default forward returns empty arrays."""
+    k, v = (gpu.asarray(rand((2, 3, 5, 64), ml_dtypes.bfloat16, rng)) for _ in range(2))
+    out, lse = gpu.attention_fwd(gpu.asarray(np.zeros((2, 3, 0, 64), ml_dtypes.bfloat16)), k, v, 0.125)
+    assert out.shape == (2, 3, 0, 64) and lse.shape == (2, 3, 0)

@@ -42,6 +42,11 @@ TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer wa
 TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
 TMA_KEYS = 128  # keys per K/V tile (kTmaKeys)
 TMA_STAGES = {64: 4, 128: 3}  # K/V stages in shared memory (TmaFwdShape::STAGES)
+# setmaxnreg's split of the block's registers: the producer warpgroup gives down to 24 a thread, the
+# consumers take 240; the pool is what ptxas gives the block at launch (384 x 168 = 128 x 24 + 256 x 240):
+# a consumer asking for more than the pool holds waits forever (tests/test_kernel_compile.py checks)
+TMA_PRODUCER_REGS = 24
+TMA_CONSUMER_REGS = 240
 
 
 def _instantiations():
@@ -62,7 +67,8 @@ def _instantiations():
 register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS,
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
-    "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128]})
+    "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
+    "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS})
 
 
 def fwd_variant() -> str:
@@ -186,6 +192,8 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     if variant != "wgmma":
         pingpong = "true" if variant == "tma-pingpong" else "false"
         jobs = cdiv(n_q, TMA_ROWS) * b * h  # a persistent kernel: one block per SM walks the jobs
+        if jobs == 0:  # no query rows: nothing to launch, and TMA cannot map an empty dimension
+            return out, lse
         get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}, {pingpong}>")(
             (min(jobs, rt.sm_count()),), (TMA_THREADS,),
             (tile_map(q, TMA_ROWS), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS), out, lse, i32(n_q), i32(n_k),

@@ -20,10 +20,13 @@ import numpy as np
 from kiln.backend.cuda import device as rt
 from kiln.errors import DeviceError, ShapeError
 
-# CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion (cuda.h)
+# CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+# CUtensorMapFloatOOBfill (cuda.h; tests/test_op_attention.py reads them back from the header)
 _DATA_TYPES = {"bfloat16": 9, "float16": 6}
+_INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
+_OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: boxes past T read as zeros
 BOX_COLUMNS = 64  # 128 bytes of 16-bit elements
 MAP_BYTES = 128
 
@@ -76,21 +79,39 @@ def tile_map(a, rows: int) -> np.ndarray:
     return _encode(rt.ptr(a), tuple(a.shape), tuple(a.strides), name, a.dtype.itemsize, rows)
 
 
+def encode_arguments(shape, strides, name: str, itemsize: int, rows: int) -> tuple:
+    """cuTensorMapEncodeTiled's arguments after the map and the address, as plain integers:
+    (data type, rank, globalDim, globalStrides, boxDim, elementStrides, interleave, swizzle,
+    L2 promotion, OOB fill) for a [B, H, T, D] array of `shape` and byte `strides`, boxes of
+    `rows` x 64 columns. Checks what the driver documents (cuda.h) and would refuse with a bare
+    CUDA_ERROR_INVALID_VALUE: every dimension in 1..2^31, strides multiples of 16 below 2^40,
+    box sides in 1..256 (the inner side, 64 x 2 bytes, is the 128-byte swizzle's span)."""
+    b, h, t, d = shape
+    if name not in _DATA_TYPES or itemsize != 2:
+        raise ShapeError(f"a TMA tensor map here takes bfloat16 or float16, got {name} ({itemsize} bytes)")
+    if not all(1 <= n <= 2**31 for n in shape):
+        raise ShapeError(f"a TMA tensor map needs every dimension in 1..2^31, got shape {tuple(shape)}")
+    if not 1 <= rows <= 256:
+        raise ShapeError(f"a TMA box has at most 256 rows, got {rows}")
+    byte_strides = strides_bytes(shape, strides, itemsize)
+    if max(byte_strides) >= 2**40:
+        raise ShapeError(f"a TMA tensor map needs strides below 2^40 bytes, got {byte_strides}")
+    return (_DATA_TYPES[name], 4, (d, t, h, b), tuple(byte_strides), (BOX_COLUMNS, rows, 1, 1), (1, 1, 1, 1),
+            _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
+
+
 @functools.lru_cache(maxsize=256)
 def _encode(address: int, shape: tuple, strides: tuple, name: str, itemsize: int, rows: int) -> np.ndarray:
     """The map, a function of its arguments alone (so cached: encoding costs microseconds of host
     time a call, which a small launch would otherwise wait for). Read-only to its callers."""
-    b, h, t, d = shape
-    dims = (ctypes.c_uint64 * 4)(d, t, h, b)
-    byte_strides = (ctypes.c_uint64 * 3)(*strides_bytes(shape, strides, itemsize))
-    box = (ctypes.c_uint32 * 4)(BOX_COLUMNS, rows, 1, 1)
-    ones = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    dtype, rank, dims, byte_strides, box, elem, interleave, swizzle, l2, oob = encode_arguments(
+        shape, strides, name, itemsize, rows)
     raw = np.zeros(MAP_BYTES + 64, dtype=np.uint8)  # CUtensorMap is 64-byte aligned
     start = -raw.ctypes.data % 64
     out = raw[start:start + MAP_BYTES].view(np.dtype((np.void, MAP_BYTES)))
     status = _driver().cuTensorMapEncodeTiled(
-        out.ctypes.data, _DATA_TYPES[name], 4, address, dims, byte_strides, box, ones,
-        0, _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
+        out.ctypes.data, dtype, rank, address, (ctypes.c_uint64 * 4)(*dims), (ctypes.c_uint64 * 3)(*byte_strides),
+        (ctypes.c_uint32 * 4)(*box), (ctypes.c_uint32 * 4)(*elem), interleave, swizzle, l2, oob)
     if status != 0:
         raise DeviceError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {name} {shape}, "
                           f"strides {strides} (bytes), box {rows} x {BOX_COLUMNS}")

@@ -1227,8 +1227,13 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 constexpr int kTmaThreads = KILN_ATTN_TMA_THREADS;      // producer warpgroup + 2 consumer warpgroups
 constexpr int kTmaRows = KILN_ATTN_TMA_ROWS;            // query rows per block (2 x 64)
 constexpr int kTmaKeys = KILN_ATTN_TMA_KEYS;            // keys per K/V tile
-constexpr int kTmaProducerRegs = 24;
-constexpr int kTmaConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 65536
+// setmaxnreg's split (multiples of 8 in 24..256, executed by every warp of a warpgroup): the
+// consumers' increase waits until the block's pool (its launch registers x 384) holds it.
+constexpr int kTmaProducerRegs = KILN_ATTN_TMA_PRODUCER_REGS;
+constexpr int kTmaConsumerRegs = KILN_ATTN_TMA_CONSUMER_REGS;
+static_assert(kTmaProducerRegs % 8 == 0 && kTmaConsumerRegs % 8 == 0 && kTmaProducerRegs >= 24 &&
+                  kTmaConsumerRegs <= 256 && 128 * kTmaProducerRegs + (kTmaThreads - 128) * kTmaConsumerRegs <= 65536,
+              "setmaxnreg takes multiples of 8 in 24..256, within the SM's 64K registers");
 constexpr int kTmaTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and 1's turn (ping-pong)
 
 template <int D> struct TmaFwdShape {
