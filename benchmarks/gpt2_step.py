@@ -10,7 +10,9 @@ mode; `compile-max`: mode max-autotune-no-cudagraphs, whose autotuning takes min
 --max-autotune), SDPA, fused AdamW. No framework reads a value back inside the timed steps:
 tokens/s is the tokens of the steps after --warmup over their wall time (one device sync at
 each end), and the losses are read after. `kiln-whole-logits` is kiln with the LM head unfused
-(the [B*T, V] logits made whole), the A/B of the fused head. Peak memory is the framework's own
+(the [B*T, V] logits made whole), the A/B of the fused head; `kiln-branch-cast` is kiln with the
+bf16 branch's gradient made by a cast of the add+LayerNorm backward's fp32 dx (the path before that kernel
+stored it, the A/B of the fold: the same losses bit for bit, 6 bytes an element more). Peak memory is the framework's own
 peak of allocated device memory; fidelity is the largest difference of the per-step losses
 against PyTorch eager in the same mode. Writes benchmarks/results/gpt2_step/gpt2_step-<date>.json and .md.
 """
@@ -54,6 +56,8 @@ def run_kiln(args, batches):
     model, _ = _model(args)
     model.fused_lm_head = args.framework != "kiln-whole-logits"
     dev = kiln.device("cuda")
+    if args.framework == "kiln-branch-cast":
+        _branch_gradient_by_a_cast(dev.backend)
     model.to(dev)
     apply_precision(model, args.mode, dev, args.bf16_residual)
     backend = dev.backend
@@ -81,6 +85,18 @@ def run_kiln(args, batches):
         xs, ys = on_device[-1]
         _profile_kernels(lambda: (graph(xs, ys) if graph is not None else step(xs, ys)).item(), args)
     return [float(v) for v in losses], elapsed, stats["peak_allocated_bytes"], stats
+
+
+def _branch_gradient_by_a_cast(backend) -> None:
+    """kiln-branch-cast: the add+LayerNorm backward kernel writes dx alone, and a cast kernel rounds it into
+    the narrower branch's gradient (the path before the `_dy` kernels: the A/B of folding that cast in)."""
+    fused = backend.add_layer_norm_bwd
+
+    def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None,
+                           branch_dtype=None):
+        dx, _, dw, db = fused(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
+        return dx, dx if branch_dtype is None or dx.dtype == branch_dtype else dx.astype(branch_dtype), dw, db
+    backend.add_layer_norm_bwd = add_layer_norm_bwd
 
 
 COMPILE_MODES = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"}
@@ -173,7 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="fp32,tf32,bf16")
     ap.add_argument("--frameworks", default="kiln,eager,compile",
-                    help="of kiln, kiln-whole-logits, eager, compile, compile-max")
+                    help="of kiln, kiln-whole-logits, kiln-branch-cast, eager, compile, compile-max")
     ap.add_argument("--max-autotune", action="store_true",
                     help="add compile-max (torch.compile mode max-autotune-no-cudagraphs: minutes of autotuning)")
     ap.add_argument("--worker-timeout", type=float, default=900, help="seconds one (framework, mode) may take")

@@ -100,8 +100,7 @@ def test_bf16_compute_over_fp32_weights_tracks_fp32():
 def test_bf16_with_an_fp32_residual_is_closer_to_fp32_than_with_a_bf16_one():
     """apply_precision's bf16 keeps the residual stream in fp32 by default (autocast's policy): the loss and
     every gradient of that model are nearer fp32's than those of the bf16-residual model, the LayerNorms'
-    most of all; an unknown choice and a recompute_norm_gelu it cannot do are named errors."""
-    from kiln.errors import NotBuiltError
+    most of all; an unknown choice is a named error."""
     from kiln.train import apply_precision
     cfg = preset("tiny", n_layer=2, vocab_size=64, block_size=32)
     model = GPT(cfg, generator=kiln.Generator(7))
@@ -130,9 +129,58 @@ def test_bf16_with_an_fp32_residual_is_closer_to_fp32_than_with_a_bf16_one():
     assert np.median(list(err["fp32"].values())) < np.median(list(err["bf16"].values()))
     with pytest.raises(ConfigError, match="unknown bf16_residual 'fp16'; allowed: fp32, bf16"):
         apply_precision(model, "bf16", cpu, bf16_residual="fp16")
-    model.residual_dtype, model.recompute_norm_gelu = kiln.float32, True
-    with pytest.raises(NotBuiltError, match="recompute_norm_gelu with a kiln.float32 residual"):
-        model(x, y)
+
+
+def _loss_and_grads_plain_and_recomputed(precision, device, n_embd=128, n_head=4):
+    """(loss, gradients, the dtypes NormLinear nodes keep their normed input in) of one batch through two copies of one GPT under `precision` (bf16:
+    apply_precision's fp32 residual), the second with recompute_norm_gelu."""
+    from kiln.autograd import graph_nodes
+    from kiln.ops.matmul import NormLinear
+    from kiln.train import apply_precision
+    cfg = preset("tiny", n_layer=2, vocab_size=64, block_size=32, n_embd=n_embd, n_head=n_head)
+    rng = np.random.default_rng()
+    state = {n: p.numpy() + 0.1 * rng.standard_normal(p.shape) for n, p in GPT(cfg).named_parameters()}
+    x, y = (kiln.tensor(rng.integers(0, 64, (4, 32)), device=device) for _ in range(2))
+    runs = []
+    for redo in (False, True):
+        model = GPT(cfg)
+        model.load_state_dict(state)
+        model.to(device, dtype="float64" if precision == "fp64" else "float32")
+        apply_precision(model, precision, kiln.device(device))
+        model.recompute_norm_gelu = redo
+        _, loss = model(x, y)
+        nodes = [n.saved[1].dtype for n in graph_nodes(loss) if isinstance(n, NormLinear)]
+        loss.backward()
+        runs.append((loss.numpy(), {n: p.grad.numpy() for n, p in model.named_parameters()}, nodes))
+    kiln.device(device).backend.set_matmul_precision("fp32")
+    return runs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp64"])
+def test_recomputed_norms_and_gelus_give_the_same_gradients_bit_for_bit(precision):
+    """recompute_norm_gelu remakes c_attn's and c_fc's inputs in backward from the residual stream: under bf16
+    from the fp32 residual (apply_precision's default), the LayerNorm rounded to bf16 exactly as the forward's
+    was, so the loss and every gradient equal the plain graph's bit for bit; in float64 too."""
+    (loss, grads, plain_nodes), (loss_r, grads_r, nodes) = _loss_and_grads_plain_and_recomputed(precision, "cpu")
+    residual = np.float32 if precision == "bf16" else np.float64
+    assert not plain_nodes and len(nodes) == 2 * 2  # c_attn and c_fc of both blocks keep the residual, not x
+    assert all(dtype == residual for dtype in nodes)
+    assert loss.tobytes() == loss_r.tobytes()
+    for name, g in grads.items():
+        assert g.tobytes() == grads_r[name].tobytes(), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not kiln.cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")
+@pytest.mark.parametrize("n_embd, n_head", [(128, 4), (768, 12)], ids=["generic_kernels", "register_kernels"])
+def test_cuda_recomputed_norms_and_gelus_over_an_fp32_residual_give_the_same_gradients_bit_for_bit(n_embd, n_head):
+    """The same on the GPU under bf16 with the fp32 residual: the recomputed LayerNorm (layer_norm_fwd<float,
+    bf16>) makes the bits the forward's add+LayerNorm kernel made, at a generic width and a register one."""
+    (loss, grads, _), (loss_r, grads_r, nodes) = _loss_and_grads_plain_and_recomputed("bf16", "cuda", n_embd, n_head)
+    assert len(nodes) == 2 * 2
+    assert loss.tobytes() == loss_r.tobytes()
+    for name, g in grads.items():
+        assert g.tobytes() == grads_r[name].tobytes(), name
 
 
 def test_blocks_alone_give_the_fused_gpt_forward():

@@ -167,6 +167,67 @@ def test_layer_norm_of_an_fp32_residual_into_bf16():
     assert x.grad.dtype is kiln.float32 and rel(x.grad.numpy(), xd.grad.numpy()) < 1e-6
 
 
+
+def _round_to_bf16(a32):
+    """fp32 -> bf16 by integer arithmetic on the bits, round to nearest even (finite values): a reference
+    that does not go through ml_dtypes."""
+    bits = a32.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).view(BF16)
+
+
+@pytest.mark.parametrize("with_ds", [True, False], ids=["ds", "no_ds"])
+def test_the_cpu_reference_rounds_the_branch_gradient_to_nearest_even(with_ds):
+    """cpu.add_layer_norm_bwd with a bf16 branch: dy is the fp32 dx (unchanged by asking for dy) rounded to
+    nearest even, ties included (a million elements hold some exact ties); without branch_dtype dy is dx."""
+    rng = np.random.default_rng()
+    n, c = 4096, 256
+    s, w = rand((n, c), np.float32, rng, 2.0), rand((c,), np.float32, rng)
+    gh, gs = rand((n, c), BF16, rng), rand((n, c), np.float32, rng) if with_ds else None
+    _, _, mean, rstd = cpu.add_layer_norm_fwd(s, np.zeros_like(s), w, None, 1e-5, BF16)
+    dx, dy, dw, _ = cpu.add_layer_norm_bwd(gs, gh, s, w, mean, rstd, True, False, None, BF16)
+    dx0, dy0, dw0, _ = cpu.add_layer_norm_bwd(gs, gh, s, w, mean, rstd, True, False)
+    assert dy0 is dx0 and np.array_equal(dx, dx0) and np.array_equal(dw, dw0)
+    assert dx.dtype == np.float32 and dy.dtype == BF16
+    assert np.count_nonzero((dx.view(np.uint32) & 0xFFFF) == 0x8000) > 0  # exact ties are in there
+    assert np.array_equal(dy.view(np.uint16), _round_to_bf16(dx).view(np.uint16))
+
+
+def test_a_bf16_branch_on_an_fp32_residual_gets_the_backward_kernels_gradient_not_a_cast(monkeypatch):
+    """bf16 training over the fp32 residual (apply_precision's default): each output projection (attn.c_proj,
+    mlp.c_proj) receives as its gradient the very bf16 array the add+LayerNorm backward returned (its dy, made
+    in the pass that made dx: the CUDA `_dy` kernels), not a cast of dx made after it; that dy is dx rounded
+    to nearest even."""
+    from kiln.backend import get_backend
+    from kiln.nn import GPT, preset
+    from kiln.train import apply_precision
+    backend, device = get_backend("cpu"), kiln.device("cpu")
+    n_layer = 2
+    model = GPT(preset("tiny", n_layer=n_layer, vocab_size=64, block_size=32), generator=kiln.Generator(5))
+    rng = np.random.default_rng()
+    x, y = (kiln.tensor(rng.integers(0, 64, (4, 32))) for _ in range(2))
+    outs, grads_in = [], []
+    real_aln, real_linear = backend.add_layer_norm_bwd, backend.linear_bwd
+
+    def add_layer_norm_bwd(*args):
+        outs.append(real_aln(*args))
+        return outs[-1]
+
+    def linear_bwd(g, *args):
+        grads_in.append(g)
+        return real_linear(g, *args)
+    monkeypatch.setattr(backend, "add_layer_norm_bwd", add_layer_norm_bwd)
+    monkeypatch.setattr(backend, "linear_bwd", linear_bwd)
+    apply_precision(model, "bf16", device)
+    try:
+        model(x, y)[1].backward()
+    finally:
+        backend.set_matmul_precision("fp32")
+    assert len(outs) == 2 * n_layer  # ln_2 of each block, then block 1's ln_1 and ln_f
+    for dx, dy, _, _ in outs:
+        assert dx.dtype == np.float32 and dy.dtype == BF16
+        assert np.array_equal(dy.view(np.uint16), _round_to_bf16(dx).view(np.uint16))
+        assert sum(np.shares_memory(dy, g) for g in grads_in) == 1  # handed on as it is: no cast between
+
 # --- LayerNorm ----------------------------------------------------------------------------
 
 LN_SHAPES = [(5, 768), (37, 100), (64, 1024), (9, 2048), (33, 1536), (3, 5000),
@@ -248,9 +309,10 @@ def _add_layer_norm_case(gpu, rng, shape, dtype, affine, with_ds, x_dev=None, y_
     close(gpu, mean, rmean, np.float32, factor=10)
     close(gpu, rstd, rrstd, np.float32, factor=10)
     need_dw, need_db = w is not None, b is not None
-    dx, dw, db = gpu.add_layer_norm_bwd(None if gs is None else gpu.asarray(gs), gpu.asarray(gh), s,
-                                        None if w is None else gpu.asarray(w), mean, rstd, need_dw, need_db)
-    rdx, rdw, rdb = cpu.add_layer_norm_bwd(f64(gs), f64(gh), f64(s_ref), f64(w), rmean, rrstd, need_dw, need_db)
+    dx, dy, dw, db = gpu.add_layer_norm_bwd(None if gs is None else gpu.asarray(gs), gpu.asarray(gh), s,
+                                            None if w is None else gpu.asarray(w), mean, rstd, need_dw, need_db)
+    rdx, _, rdw, rdb = cpu.add_layer_norm_bwd(f64(gs), f64(gh), f64(s_ref), f64(w), rmean, rrstd, need_dw, need_db)
+    assert dy is dx  # a branch of the residual's dtype: one gradient for both
     factor = 10 if dtype == np.float32 else 1
     close(gpu, dx, rdx, dtype, factor=factor)
     if need_dw:
@@ -307,7 +369,7 @@ def test_layer_norm_param_grads_in_fp32(gpu, rng, dtype, add):
     xd, gd, wd, bd = gpu.asarray(x), gpu.asarray(g), gpu.asarray(w), gpu.asarray(b)
     if add:
         _, _, mean, rstd = gpu.add_layer_norm_fwd(xd, gpu.zeros((n, c), dtype), wd, bd, 1e-5)
-        _, dw, db = gpu.add_layer_norm_bwd(None, gd, xd, wd, mean, rstd, True, True, np.float32)
+        _, _, dw, db = gpu.add_layer_norm_bwd(None, gd, xd, wd, mean, rstd, True, True, np.float32)
     else:
         _, mean, rstd = gpu.layer_norm_fwd(xd, wd, bd, 1e-5)
         _, dw, db = gpu.layer_norm_bwd(gd, xd, wd, mean, rstd, True, True, np.float32)
@@ -334,12 +396,45 @@ def test_fp32_residual_with_a_bf16_branch(gpu, rng, shape, with_ds):
     assert s.dtype == np.float32 and h.dtype == BF16 and np.array_equal(gpu.to_numpy(s), s_ref)
     ry, rmean, rrstd = cpu.layer_norm_fwd(f64(s_ref), f64(w), f64(b), 1e-5)
     close(gpu, h, ry, BF16)
-    dx, dw, db = gpu.add_layer_norm_bwd(None if gs is None else gpu.asarray(gs), gpu.asarray(gh), s, gpu.asarray(w),
-                                        mean, rstd, True, True)
-    rdx, rdw, rdb = cpu.add_layer_norm_bwd(f64(gs), f64(gh), f64(s_ref), f64(w), rmean, rrstd, True, True)
-    assert dx.dtype == np.float32 and dw.dtype == np.float32
+    dx, dy, dw, db = gpu.add_layer_norm_bwd(None if gs is None else gpu.asarray(gs), gpu.asarray(gh), s,
+                                            gpu.asarray(w), mean, rstd, True, True, None, BF16)
+    rdx, _, rdw, rdb = cpu.add_layer_norm_bwd(f64(gs), f64(gh), f64(s_ref), f64(w), rmean, rrstd, True, True)
+    assert dx.dtype == np.float32 and dw.dtype == np.float32 and dy.dtype == BF16
     for got, ref in ((dx, rdx), (dw, rdw), (db, rdb)):
         close(gpu, got, ref, np.float32, factor=10)
+    assert np.array_equal(gpu.to_numpy(dy), gpu.to_numpy(dx).astype(BF16))  # dx rounded once, as the CPU's
     y1, _, _ = gpu.layer_norm_fwd(gpu.asarray(x), gpu.asarray(w), gpu.asarray(b), 1e-5, BF16)
     assert y1.dtype == BF16
     close(gpu, y1, cpu.layer_norm_fwd(f64(x), f64(w), f64(b), 1e-5)[0], BF16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(11, 256), (5, 768), (64, 1024), (3000, 768), (37, 100), (7, 4096)])
+@pytest.mark.parametrize("branch", [BF16, np.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_ds", [True, False], ids=["ds", "no_ds"])
+def test_a_narrower_branchs_gradient_is_stored_by_the_backward_kernel(gpu, rng, shape, branch, with_ds):
+    """The `_dy` kernels (register widths 256 ... 1024, the generic one for 100 and 4096): dy, the gradient of
+    a bf16/fp16 branch on an fp32 residual, is written in the pass that writes dx, bit for bit the CPU
+    reference's round to nearest even of that dx (ml_dtypes' cast; 3000 x 768 holds exact ties), and dx,
+    dweight and dbias are bit for bit the kernels' without dy."""
+    n, c = shape
+    x, w, b = rand(shape, np.float32, rng, 2.0) + np.float32(0.5), rand((c,), np.float32, rng), rand((c,), np.float32, rng)
+    y, gh = rand(shape, branch, rng), rand(shape, branch, rng)
+    gs = rand(shape, np.float32, rng) if with_ds else None
+    gsd, ghd, wd = None if gs is None else gpu.asarray(gs), gpu.asarray(gh), gpu.asarray(w)
+    s, _, mean, rstd = gpu.add_layer_norm_fwd(gpu.asarray(x), gpu.asarray(y), wd, gpu.asarray(b), 1e-5, branch)
+    dx, dy, dw, db = gpu.add_layer_norm_bwd(gsd, ghd, s, wd, mean, rstd, True, True, None, branch)
+    dx0, dy0, dw0, db0 = gpu.add_layer_norm_bwd(gsd, ghd, s, wd, mean, rstd, True, True)
+    assert dy0 is dx0 and dy.dtype == branch and dx.dtype == np.float32
+    for got, ref in ((dx, dx0), (dw, dw0), (db, db0)):
+        assert np.array_equal(gpu.to_numpy(got), gpu.to_numpy(ref))
+    dx_host = gpu.to_numpy(dx)
+    assert np.array_equal(gpu.to_numpy(dy), dx_host.astype(branch))
+    if shape == (3000, 768) and branch == BF16:
+        assert np.count_nonzero((dx_host.view(np.uint32) & 0xFFFF) == 0x8000) > 0  # ties to even were taken
+    host = [f64(gpu.to_numpy(a)) for a in (s, mean, rstd)]
+    rdx, rdy, _, _ = cpu.add_layer_norm_bwd(f64(gs), f64(gh), host[0], f64(w), host[1], host[2], False, False,
+                                            None, branch)
+    assert rdy.dtype == branch
+    close(gpu, dx, rdx, np.float32, factor=10)
+    close(gpu, dy, rdx, branch)

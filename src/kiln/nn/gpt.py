@@ -230,10 +230,6 @@ class GPT(Module):
                                 "forward would draw other masks (replaying the random stream is not built)")
         h = None
         if self.compute_dtype is not None and x.dtype is not self.compute_dtype:  # a wider residual
-            if self.recompute_norm_gelu:
-                raise NotBuiltError(f"recompute_norm_gelu with a {x.dtype} residual under {self.compute_dtype} "
-                                    "activations: remaking the LayerNorm output in backward from the wider "
-                                    "residual is not built (use residual_dtype None)")
             h = blocks[0].ln_1(x, self.compute_dtype)
         for i, block in enumerate(blocks):
             next_ln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f

@@ -41,9 +41,9 @@ class AddLayerNorm(Function):
     """(s, h) = (x + y, layer_norm(x + y)): one kernel forward, one (plus the dweight/dbias finish)
     backward. The gradient of s and the LayerNorm's input gradient are added inside the backward
     kernel, and the result is the gradient of x and of y alike (one array for both: not fresh).
-    A y narrower than x (a bf16 branch on an fp32 residual) gets that gradient rounded to its dtype,
-    and h comes in y's dtype: autocast's add of a bf16 output to an fp32 residual, then its fp32
-    LayerNorm rounded for the next GEMM."""
+    A y narrower than x (a bf16 branch on an fp32 residual) gets that gradient rounded to its dtype (by
+    the backward kernel, in the pass that stores dx), and h comes in y's dtype: autocast's add of a bf16
+    output to an fp32 residual, then its fp32 LayerNorm rounded for the next GEMM."""
 
     materialize_grads = False  # an unused s (the last block's) or h comes as None, not as zeros
 
@@ -64,13 +64,14 @@ class AddLayerNorm(Function):
         need = ctx.needs_input_grad
         if dh is None:  # only the sum was used: its gradient passes to x and y as it is
             dx, dw, db = ds, None, None
-        else:
+            dy = dx if dx is None or dx.dtype == branch_dtype else dx.astype(branch_dtype)
+        else:  # a narrower y's gradient comes out of the backward kernel with dx, not from a cast after it
             c = s.shape[-1]
-            dx, dw, db = backend.add_layer_norm_bwd(None if ds is None else ds.reshape(-1, c), dh.reshape(-1, c),
-                                                    s.reshape(-1, c), w, mean, rstd, need[2], has_bias and need[3],
-                                                    param_grad_dtype)
-            dx = dx.reshape(s.shape)
-        dy = dx if dx is None or dx.dtype == branch_dtype else dx.astype(branch_dtype)
+            dx, dy, dw, db = backend.add_layer_norm_bwd(None if ds is None else ds.reshape(-1, c),
+                                                        dh.reshape(-1, c), s.reshape(-1, c), w, mean, rstd, need[2],
+                                                        has_bias and need[3], param_grad_dtype,
+                                                        branch_dtype if need[1] else None)
+            dx, dy = dx.reshape(s.shape), dy.reshape(s.shape)
         grads = (dx if need[0] else None, dy if need[1] else None, dw)
         return grads + (db,) if has_bias else grads
 

@@ -152,7 +152,9 @@ class GELULinear(Function):
 class NormLinear(Function):
     """x @ weight^T + bias for x = layer_norm(s, norm weight, norm bias) keeping s, not x: the backward makes
     x again from s (one row pass of the LayerNorm forward, whose kernel made x: the same bits) for dweight.
-    A pre-norm block keeps s anyway (the residual stream, for the LayerNorm's backward), so x costs nothing."""
+    A pre-norm block keeps s anyway (the residual stream, for the LayerNorm's backward), so x costs nothing.
+    s may be wider than x (an fp32 residual under bf16 activations): x is made in x's dtype, rounded from
+    the fp32 LayerNorm exactly as the forward's LayerNorm rounded it."""
 
     fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
 
@@ -163,7 +165,7 @@ class NormLinear(Function):
         ctx.backend = x.backend
         ctx.x_shape = x.shape
         ctx.param_grad_dtype = grad_dtype(weight)
-        ctx.eps = eps
+        ctx.eps, ctx.x_dtype = eps, x.dtype.np
         nx, nw = ctx.needs_input_grad[:2]
         ctx.save_for_backward(weight if nx else None, *((s, norm_weight, norm_bias) if nw else (None, None, None)))
         y = x.backend.linear_fwd(x.data.reshape(-1, x.shape[-1]), weight.data, None if bias is None else bias.data)
@@ -175,7 +177,8 @@ class NormLinear(Function):
         need = ctx.needs_input_grad
         x2 = None
         if s is not None:
-            x2 = ctx.backend.layer_norm_fwd(s.reshape(-1, s.shape[-1]), norm_weight, norm_bias, ctx.eps)[0]
+            x2 = ctx.backend.layer_norm_fwd(s.reshape(-1, s.shape[-1]), norm_weight, norm_bias, ctx.eps,
+                                            ctx.x_dtype)[0]
         dx, dw, db = ctx.backend.linear_bwd(g.reshape(-1, g.shape[-1]), x2, w, need[0], need[1],
                                             ctx.has_bias and need[2], ctx.param_grad_dtype)
         if dx is not None:
@@ -186,7 +189,8 @@ class NormLinear(Function):
 def norm_linear(x, weight, bias, s, norm_weight, norm_bias=None, eps: float = 1e-5):
     """linear(x, weight, bias) for x = layer_norm(s, norm_weight, norm_bias, eps) (the caller's: it is not
     checked), keeping s for the backward instead of x (a pre-norm block's c_attn and c_fc when activations
-    are short: 2 of a block's 16 saved [B, T, C] arrays fewer)."""
+    are short: 2 of a block's 16 saved [B, T, C] arrays fewer). s is of x's dtype or wider (an fp32 residual
+    whose LayerNorm was rounded to bf16 x), the norm's weights of s's."""
     _check_float_pair("norm_linear", x, weight)
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1] or s.shape != x.shape or \
             (bias is not None and bias.shape != (weight.shape[0],)) or norm_weight.shape != (x.shape[-1],):

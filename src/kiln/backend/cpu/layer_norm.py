@@ -69,12 +69,17 @@ def add_layer_norm_fwd(x, y, weight, bias, eps, out_dtype=None):
     return s, h, mean, rstd
 
 
-def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
-    """(dx, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h), added before dx is rounded.
+def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None,
+                       branch_dtype=None):
+    """(dx, dy, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h), added before dx is rounded.
 
-    dx is the gradient of both x and y, in s's dtype. grad_s may be None (the sum was not used); grad_h
-    may not; grad_h may be narrower than s (the LayerNorm's output was)."""
+    dx is the gradient of both x and y, in s's dtype; dy is y's in branch_dtype (default s's): dx itself, or
+    dx rounded to nearest even into a narrower branch dtype (bit for bit what a cast of dx stores). grad_s
+    may be None (the sum was not used); grad_h may not; grad_h may be narrower than s (the LayerNorm's
+    output was)."""
     dx, dw, db = _dx_compute(grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
     if grad_s is not None:
         dx += upcast(grad_s)
-    return dx.astype(s.dtype, copy=False), dw, db
+    dx = dx.astype(s.dtype, copy=False)
+    dy = dx if branch_dtype is None or np.dtype(branch_dtype) == dx.dtype else dx.astype(branch_dtype)
+    return dx, dy, dw, db

@@ -6,7 +6,8 @@ in a fixed order, so dweight/dbias are deterministic (no atomics).
 add_layer_norm_fwd/_bwd fuse the residual add before a LayerNorm: one kernel reads x and y and
 writes s = x + y and layer_norm(s); the backward kernel adds the gradient of s into dx as it
 stores it (the gradient of both x and y), so neither the add nor autograd's gradient sum of the
-residual stream is a kernel of its own.
+residual stream is a kernel of its own. A branch y narrower than the residual gets its gradient from
+the same pass (the `_dy` kernels store dx and dx rounded to y's dtype), not from a cast kernel.
 
 The kernels are templated over (R, T): R the LayerNorm input's type (the residual stream, its
 gradient, the affine weights), T the sublayer side's (the branch y, the output h and its gradient).
@@ -60,8 +61,12 @@ def _instantiations():
                     out.append(f"add_layer_norm_fwd_reg<{rt_}, {c}>")
                 if c in LAYER_NORM_BWD_WIDTHS:
                     out += [f"layer_norm_bwd_reg<{rt_}, {c}>", f"add_layer_norm_bwd_reg<{rt_}, {c}>"]
+                    if r != t:  # the branch's gradient in T from the same pass (a narrower branch only)
+                        out += [f"layer_norm_bwd_dy_reg<{rt_}, {c}>", f"add_layer_norm_bwd_dy_reg<{rt_}, {c}>"]
         out += [f"layer_norm_fwd_any<{rt_}>", f"layer_norm_bwd_any<{rt_}>", f"add_layer_norm_fwd_any<{rt_}>",
                 f"add_layer_norm_bwd_any<{rt_}>", f"layer_norm_dwdb_any<{rt_}>"]
+        if r != t:
+            out += [f"layer_norm_bwd_dy_any<{rt_}>", f"add_layer_norm_bwd_dy_any<{rt_}>"]
     return out + column_sum_finish_kernels(FLOAT_CTYPES)
 
 
@@ -122,7 +127,8 @@ def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dty
     weight's: float32 for a bf16 copy of fp32 master weights, written by the finish kernel as is)."""
     if ctype(x.dtype) is None:
         return cpu_fallback(cpu.layer_norm_bwd, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
-    return _bwd(None, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
+    dx, _, dw, db = _bwd(None, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
+    return dx, dw, db
 
 
 def add_layer_norm_fwd(x, y, weight, bias, eps, out_dtype=None):
@@ -152,18 +158,22 @@ def add_layer_norm_fwd(x, y, weight, bias, eps, out_dtype=None):
     return s, h, mean, rstd
 
 
-def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
-    """(dx, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h) (rounded once): the gradient
-    of both addends of s = x + y. grad_s None: dx is the LayerNorm's alone (the plain kernels)."""
+def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None,
+                       branch_dtype=None):
+    """(dx, dy, dweight, dbias) with dx = grad_s + layer_norm_bwd(grad_h) (rounded once): the gradient
+    of both addends of s = x + y. grad_s None: dx is the LayerNorm's alone (the plain kernels). dy is y's
+    in branch_dtype (default s's): dx itself, or for a narrower y dx rounded to it, stored by the kernel
+    that stores dx when grad_h is in that dtype (the `_dy` kernels), not by a cast after."""
     if ctype(s.dtype) is None:
         return cpu_fallback(cpu.add_layer_norm_bwd, grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db,
-                            param_grad_dtype)
-    return _bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
+                            param_grad_dtype, branch_dtype)
+    return _bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype, branch_dtype)
 
 
-def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
+def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None, dy_dtype=None):
     """The LayerNorm backward of grad at x (plus grad_s into dx unless it is None); grad in x's dtype or in
-    the narrower one of its output (kernels <R, T> for R x's type, T grad's)."""
+    the narrower one of its output (kernels <R, T> for R x's type, T grad's). (dx, dy, dweight, dbias): dy is
+    dx in dy_dtype (default x's: dx itself), from the `_dy` kernels when that is T and narrower than R."""
     if _types(x.dtype, grad.dtype) is None:  # a gradient in neither dtype: taken as x's
         grad = grad.astype(x.dtype)
     t = _types(x.dtype, grad.dtype)
@@ -178,15 +188,18 @@ def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype
     mean = contiguous(mean.astype(cp.float32, copy=False))
     rstd = contiguous(rstd.astype(cp.float32, copy=False))
     dx = cp.empty_like(x)
+    dy_dtype = x.dtype if dy_dtype is None else cp.dtype(dy_dtype)
+    dy = cp.empty(x.shape, dtype=dy_dtype) if dy_dtype != x.dtype and dy_dtype == g.dtype else None
+    name, tail = (f"{add}layer_norm_bwd", ()) if dy is None else (f"{add}layer_norm_bwd_dy", (dy,))
     parts, partial = 0, None
-    if _reg_ok(c, g.dtype, LAYER_NORM_BWD_WIDTHS) and aligned16(g, x, w, dx, ds):
+    if _reg_ok(c, g.dtype, LAYER_NORM_BWD_WIDTHS) and aligned16(g, x, w, dx, ds, dy):
         parts = max(1, min(cdiv(n, _ROWS_PER_BLOCK), _MAX_BWD_BLOCKS))
         partial = cp.empty((2 * parts, c), dtype=cp.float32)
-        get_kernel("layer_norm.cu", f"{add}layer_norm_bwd_reg<{t}, {c}>")(
-            (parts,), (256,), (*head, g, x, w, mean, rstd, dx, partial, i32(n)))
+        get_kernel("layer_norm.cu", f"{name}_reg<{t}, {c}>")(
+            (parts,), (256,), (*head, g, x, w, mean, rstd, dx, *tail, partial, i32(n)))
     else:
-        get_kernel("layer_norm.cu", f"{add}layer_norm_bwd_any<{t}>")(
-            (cdiv(n, _ROWS_PER_BLOCK),), (256,), (*head, g, x, w, mean, rstd, dx, i32(n), i32(c)))
+        get_kernel("layer_norm.cu", f"{name}_any<{t}>")(
+            (cdiv(n, _ROWS_PER_BLOCK),), (256,), (*head, g, x, w, mean, rstd, dx, *tail, i32(n), i32(c)))
         if need_dw or need_db:
             rows_per_chunk = max(64, cdiv(n, 256))
             parts = max(1, cdiv(n, rows_per_chunk))
@@ -205,4 +218,6 @@ def _bwd(grad_s, grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype
         if finish_dtype != pdtype:
             dw = None if dw is None else dw.astype(pdtype)
             db = None if db is None else db.astype(pdtype)
-    return dx, dw, db
+    if dy is None:  # y of x's dtype (dx serves it), or a dy_dtype no kernel writes (grad in neither dtype)
+        dy = dx if dy_dtype == x.dtype else dx.astype(dy_dtype)
+    return dx, dy, dw, db

@@ -13,7 +13,9 @@
 // h = layer_norm(s); the backward is the LayerNorm backward with the gradient of s added to
 // dx before it is stored (dx is then the gradient of both x and y). They share the row code
 // of the plain kernels (the kAdd template flag), and dweight/dbias go through the same
-// partial sums and `column_sum_finish`.
+// partial sums and `column_sum_finish`. The `_dy` backward also stores dx rounded to T (dy): the
+// gradient of a branch y narrower than the residual, made in the pass that stores dx instead of
+// by a cast kernel that reads dx back (an fp32 residual under bf16 sublayers).
 //
 // Every kernel is templated over R, the type of the LayerNorm's input (the residual stream x, s,
 // their gradients and the affine weights), and T, the type of the sublayer side (the branch y, the
@@ -205,16 +207,18 @@ __global__ void __launch_bounds__(256) add_layer_norm_fwd_any(const R* __restric
 // dx for the rows of this block's warps, and this block's partial dweight/dbias sums in
 // partial[blockIdx.x][C] and partial[gridDim.x + blockIdx.x][C] (fp32).
 // kAdd: dx += ds (the gradient of the LayerNorm's input that arrives by the residual stream).
+// kDy: dy = dx as stored, rounded to T (round to nearest even, what a cast of dx stores).
 // The warp's row of ds goes to shared memory by cp.async as the row starts, so its latency
 // overlaps the g and x loads and the reductions without holding registers: loaded into
 // registers there, ptxas keeps it live across the row and the 16-bit C = 768 kernel (GPT-2
 // 124M) takes 156 registers instead of 127, one block per SM instead of two; loaded where it
 // is added, its latency comes after the reductions, on every row's critical path.
-template <typename R, typename T, int C, bool kAdd>
+template <typename R, typename T, int C, bool kAdd, bool kDy>
 __device__ __forceinline__ void ln_bwd_reg(const R* __restrict__ ds, const T* __restrict__ g,
                                            const R* __restrict__ x, const R* __restrict__ w,
                                            const float* __restrict__ mean, const float* __restrict__ rstd,
-                                           R* __restrict__ dx, float* __restrict__ partial, int n) {
+                                           R* __restrict__ dx, T* __restrict__ dy, float* __restrict__ partial,
+                                           int n) {
     constexpr int V = Pack<T>::N;
     constexpr int P = C / (32 * V);
     constexpr int K = V / Pack<R>::N;  // 16-byte packs of R in a lane's chunk of V elements
@@ -280,6 +284,11 @@ __device__ __forceinline__ void ln_bwd_reg(const R* __restrict__ ds, const T* __
                 for (int j = 0; j < V; ++j) d[j] += dsf[j];
             }
             ln_store<R, V>(dxr + c0, d);
+            if constexpr (kDy) {
+#pragma unroll
+                for (int j = 0; j < V; ++j) d[j] = to_float(from_float<R>(d[j]));  // dx as stored
+                ln_store<T, V>(dy + (long long)row * C + c0, d);
+            }
         }
     }
     for (int c = threadIdx.x; c < C; c += blockDim.x) sdw[c] = sdb[c] = 0.0f;
@@ -311,7 +320,17 @@ __global__ void __launch_bounds__(256) layer_norm_bwd_reg(const T* __restrict__ 
                                                           const float* __restrict__ mean,
                                                           const float* __restrict__ rstd, R* __restrict__ dx,
                                                           float* __restrict__ partial, int n) {
-    ln_bwd_reg<R, T, C, false>(nullptr, g, x, w, mean, rstd, dx, partial, n);
+    ln_bwd_reg<R, T, C, false, false>(nullptr, g, x, w, mean, rstd, dx, nullptr, partial, n);
+}
+
+// The same, and dy = dx rounded to T (the `_dy` kernels: a branch's gradient when no gradient of s comes).
+template <typename R, typename T, int C>
+__global__ void __launch_bounds__(256) layer_norm_bwd_dy_reg(const T* __restrict__ g, const R* __restrict__ x,
+                                                             const R* __restrict__ w,
+                                                             const float* __restrict__ mean,
+                                                             const float* __restrict__ rstd, R* __restrict__ dx,
+                                                             T* __restrict__ dy, float* __restrict__ partial, int n) {
+    ln_bwd_reg<R, T, C, false, true>(nullptr, g, x, w, mean, rstd, dx, dy, partial, n);
 }
 
 // dx = ds + layer_norm_bwd(g) for s = x + y, the saved sum (here `s`); dx is the gradient of x and y.
@@ -322,15 +341,26 @@ __global__ void __launch_bounds__(256) add_layer_norm_bwd_reg(const R* __restric
                                                               const float* __restrict__ rstd,
                                                               R* __restrict__ dx, float* __restrict__ partial,
                                                               int n) {
-    ln_bwd_reg<R, T, C, true>(ds, g, s, w, mean, rstd, dx, partial, n);
+    ln_bwd_reg<R, T, C, true, false>(ds, g, s, w, mean, rstd, dx, nullptr, partial, n);
 }
 
-// dx only, any C: one warp per row, three passes over the row (kAdd: dx += ds).
-template <typename R, typename T, bool kAdd>
+// The same, and dy = dx rounded to T: the gradient of a branch y of type T on a residual of type R.
+template <typename R, typename T, int C>
+__global__ void __launch_bounds__(256) add_layer_norm_bwd_dy_reg(const R* __restrict__ ds, const T* __restrict__ g,
+                                                                 const R* __restrict__ s, const R* __restrict__ w,
+                                                                 const float* __restrict__ mean,
+                                                                 const float* __restrict__ rstd,
+                                                                 R* __restrict__ dx, T* __restrict__ dy,
+                                                                 float* __restrict__ partial, int n) {
+    ln_bwd_reg<R, T, C, true, true>(ds, g, s, w, mean, rstd, dx, dy, partial, n);
+}
+
+// dx only, any C: one warp per row, three passes over the row (kAdd: dx += ds; kDy: dy = dx rounded to T).
+template <typename R, typename T, bool kAdd, bool kDy>
 __device__ __forceinline__ void ln_bwd_any(const R* __restrict__ ds, const T* __restrict__ g,
                                            const R* __restrict__ x, const R* __restrict__ w,
                                            const float* __restrict__ mean, const float* __restrict__ rstd,
-                                           R* __restrict__ dx, int n, int C) {
+                                           R* __restrict__ dx, T* __restrict__ dy, int n, int C) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * kLnWarps + (threadIdx.x >> 5);
     if (row >= n) return;
@@ -350,7 +380,9 @@ __device__ __forceinline__ void ln_bwd_any(const R* __restrict__ ds, const T* __
         const float xhat = (to_float(xr[c]) - mu) * r;
         float d = r * (gw - a - xhat * bb);
         if constexpr (kAdd) d += to_float(ds[(long long)row * C + c]);
-        dxr[c] = from_float<R>(d);
+        const R v = from_float<R>(d);
+        dxr[c] = v;
+        if constexpr (kDy) dy[(long long)row * C + c] = from_float<T>(to_float(v));
     }
 }
 
@@ -360,7 +392,16 @@ __global__ void __launch_bounds__(256) layer_norm_bwd_any(const T* __restrict__ 
                                                           const float* __restrict__ mean,
                                                           const float* __restrict__ rstd, R* __restrict__ dx,
                                                           int n, int C) {
-    ln_bwd_any<R, T, false>(nullptr, g, x, w, mean, rstd, dx, n, C);
+    ln_bwd_any<R, T, false, false>(nullptr, g, x, w, mean, rstd, dx, nullptr, n, C);
+}
+
+template <typename R, typename T>
+__global__ void __launch_bounds__(256) layer_norm_bwd_dy_any(const T* __restrict__ g, const R* __restrict__ x,
+                                                             const R* __restrict__ w,
+                                                             const float* __restrict__ mean,
+                                                             const float* __restrict__ rstd, R* __restrict__ dx,
+                                                             T* __restrict__ dy, int n, int C) {
+    ln_bwd_any<R, T, false, true>(nullptr, g, x, w, mean, rstd, dx, dy, n, C);
 }
 
 template <typename R, typename T>
@@ -369,7 +410,16 @@ __global__ void __launch_bounds__(256) add_layer_norm_bwd_any(const R* __restric
                                                               const float* __restrict__ mean,
                                                               const float* __restrict__ rstd,
                                                               R* __restrict__ dx, int n, int C) {
-    ln_bwd_any<R, T, true>(ds, g, s, w, mean, rstd, dx, n, C);
+    ln_bwd_any<R, T, true, false>(ds, g, s, w, mean, rstd, dx, nullptr, n, C);
+}
+
+template <typename R, typename T>
+__global__ void __launch_bounds__(256) add_layer_norm_bwd_dy_any(const R* __restrict__ ds, const T* __restrict__ g,
+                                                                 const R* __restrict__ s, const R* __restrict__ w,
+                                                                 const float* __restrict__ mean,
+                                                                 const float* __restrict__ rstd,
+                                                                 R* __restrict__ dx, T* __restrict__ dy, int n, int C) {
+    ln_bwd_any<R, T, true, true>(ds, g, s, w, mean, rstd, dx, dy, n, C);
 }
 
 // Partial dweight/dbias over a chunk of rows for 32 columns: block (256) = 32 columns x 8 row
