@@ -17,7 +17,7 @@ the run measures its loss) and held-out windows (how good its weights are). --ab
 kiln's bf16 runs. --hold-out 0 trains on the windows of the runs before 2026-12-05.
 
     python benchmarks/bf16_residual.py [--steps 300] [--n-layer 4] [--n-embd 128] [--seq-len 128]
-        [--eval-every 20] [--hold-out 40000] [--ablate grad-bf16]
+        [--eval-every 20] [--hold-out 40000] [--ablate grad-bf16|bias-once]
 """
 
 from __future__ import annotations
@@ -107,14 +107,31 @@ def ablate_grad_bf16(backend) -> None:
     backend.linear_bwd, backend.lm_head_xent_fwd = patched_linear_bwd, patched_lm_head_fwd
 
 
+def ablate_bias_once(backend) -> None:
+    """--ablate bias-once: a bf16 Linear's output rounded once, (x @ W^T + b) in fp32 then to bf16, as a GEMM
+    with a bias epilogue (cuBLASLt, oneDNN under autocast) rounds it; kiln's CPU backend rounds x @ W^T to bf16,
+    adds the bf16 bias and rounds again."""
+    from kiln.backend.cpu import matmul
+    from kiln.backend.cpu.compute import upcast
+
+    def linear_fwd(x, weight, bias):
+        y = upcast(x) @ upcast(weight).T
+        return (y if bias is None else y + upcast(bias)).astype(x.dtype, copy=False)
+
+    backend.linear_fwd = matmul.linear_fwd = linear_fwd
+
+
+ABLATIONS = {"grad-bf16": ablate_grad_bf16, "bias-once": ablate_bias_once}
+
+
 def train_kiln(args, cfg, tokens, starts, run: str, evaluate: Evaluator) -> dict:
     import kiln
     from kiln.nn import GPT
     from kiln.optim import AdamW, gpt_param_groups
     from kiln.train import apply_precision, plain_step
     dev = kiln.device("cpu")
-    if args.ablate == "grad-bf16" and run != "kiln-fp32":
-        ablate_grad_bf16(dev.backend)
+    if args.ablate and run != "kiln-fp32":  # patches this process for good: run no kiln-fp32 after it
+        ABLATIONS[args.ablate](dev.backend)
     model = GPT(cfg, generator=kiln.Generator(args.seed))
     if run == "kiln-fp32":
         apply_precision(model, "fp32", dev)
@@ -204,8 +221,8 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--eval-every", type=int, default=20, help="fp32-evaluate every run's weights every N steps")
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows of the fp32 evaluator")
-    ap.add_argument("--ablate", choices=("grad-bf16",), default=None,
-                    help="change one piece of kiln's bf16 runs (see ablate_grad_bf16)")
+    ap.add_argument("--ablate", choices=("grad-bf16", "bias-once"), default=None,
+                    help="change one piece of kiln's bf16 runs (ablate_grad_bf16, ablate_bias_once)")
     ap.add_argument("--hold-out", type=int, default=40_000,
                     help="bytes at the corpus' start that training never reads (0: train on all, as before 2026-12-05)")
     ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/fidelity/bf16_residual-<date>.json)")
