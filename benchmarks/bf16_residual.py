@@ -17,7 +17,7 @@ the run measures its loss) and held-out windows (how good its weights are). --ab
 kiln's bf16 runs. --hold-out 0 trains on the windows of the runs before 2026-12-05.
 
     python benchmarks/bf16_residual.py [--steps 300] [--n-layer 4] [--n-embd 128] [--seq-len 128]
-        [--eval-every 20] [--hold-out 40000] [--ablate grad-bf16|bias-once]
+        [--eval-every 20] [--hold-out 40000] [--ablate grad-bf16]
 """
 
 from __future__ import annotations
@@ -107,21 +107,7 @@ def ablate_grad_bf16(backend) -> None:
     backend.linear_bwd, backend.lm_head_xent_fwd = patched_linear_bwd, patched_lm_head_fwd
 
 
-def ablate_bias_once(backend) -> None:
-    """--ablate bias-once: a bf16 Linear's output rounded once, (x @ W^T + b) in fp32 then to bf16, as a GEMM
-    with a bias epilogue (cuBLASLt, oneDNN under autocast) rounds it; kiln's CPU backend rounds x @ W^T to bf16,
-    adds the bf16 bias and rounds again."""
-    from kiln.backend.cpu import matmul
-    from kiln.backend.cpu.compute import upcast
-
-    def linear_fwd(x, weight, bias):
-        y = upcast(x) @ upcast(weight).T
-        return (y if bias is None else y + upcast(bias)).astype(x.dtype, copy=False)
-
-    backend.linear_fwd = matmul.linear_fwd = linear_fwd
-
-
-ABLATIONS = {"grad-bf16": ablate_grad_bf16, "bias-once": ablate_bias_once}
+ABLATIONS = {"grad-bf16": ablate_grad_bf16}  # bias-once (commit acf1514) is kiln's CPU linear since: one rounding
 
 
 def train_kiln(args, cfg, tokens, starts, run: str, evaluate: Evaluator) -> dict:
@@ -221,8 +207,8 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--eval-every", type=int, default=20, help="fp32-evaluate every run's weights every N steps")
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows of the fp32 evaluator")
-    ap.add_argument("--ablate", choices=("grad-bf16", "bias-once"), default=None,
-                    help="change one piece of kiln's bf16 runs (ablate_grad_bf16, ablate_bias_once)")
+    ap.add_argument("--ablate", choices=tuple(ABLATIONS), default=None,
+                    help="change one piece of kiln's bf16 runs (ABLATIONS)")
     ap.add_argument("--hold-out", type=int, default=40_000,
                     help="bytes at the corpus' start that training never reads (0: train on all, as before 2026-12-05)")
     ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/fidelity/bf16_residual-<date>.json)")
