@@ -24,6 +24,22 @@ def test_linear(bias):
     gradcheck(lambda *t: F.linear(*t), *args)
 
 
+def test_bf16_linear_rounds_once_after_the_bias():
+    """A bf16 linear is the fp32 x @ W^T + b rounded once to bf16, as a GEMM's bias epilogue (cuBLASLt, and
+    oneDNN under torch.autocast) writes it; rounding the product and again after the bias add (kiln's CPU
+    backend before 2026-12-05) differs in many elements and moved bf16 training away from fp32."""
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.standard_normal(s).astype(ml_dtypes.bfloat16) for s in ((64, 48), (40, 48), (40,)))
+    f32 = [a.astype(np.float32) for a in (x, w, b)]
+    once = (f32[0] @ f32[1].T + f32[2]).astype(ml_dtypes.bfloat16)
+    twice = (f32[0] @ f32[1].T).astype(ml_dtypes.bfloat16) + b
+    y = F.linear(*[kiln.tensor(a) for a in (x, w, b)])
+    assert y.dtype is kiln.bfloat16
+    np.testing.assert_array_equal(y.numpy().view(np.uint16), once.view(np.uint16))
+    assert (once != twice).mean() > 0.05  # the test tells the two apart
+
+
 def test_matmul_errors():
     with pytest.raises(ShapeError, match="do not fit"):
         kiln.randn(2, 3) @ kiln.randn(4, 2)
