@@ -15,7 +15,6 @@ that. Prints a table and writes benchmarks/results/attention/attention-<date>.js
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import sys
@@ -24,8 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_speed import BF16, median_ms  # noqa: E402
-from result_file import commit, write_json
+from kernel_speed import BF16, kiln_and_torch, median_ms, write_rows  # noqa: E402
 
 SHAPES = [  # (B, H, T, D)
     (16, 12, 1024, 64),  # GPT-2 124M's step
@@ -86,27 +84,16 @@ def main(argv=None) -> int:
     p.add_argument("--fwd", default="wgmma", help="comma-separated bf16/fp16 forward kernels: wgmma,tma")
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import torch
-
-    import kiln
-    if not kiln.cuda_is_available() or not torch.cuda.is_available():
-        print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)
+    k, torch = kiln_and_torch()
+    if k is None:
         return 2
-    k = kiln.backend.get_backend("cuda")
     print(f"{'B x H x T x D':18s} {'op':8s} {'dtype':9s} {'fwd':6s} {'kiln ms':>9s} {'sdpa ms':>9s} {'kiln':>8s} {'sdpa':>8s} "
           f"{'ratio':>7s}  (TFLOP/s; ratio = sdpa ms / kiln ms)")
     rows = []
     for name in args.dtypes.split(","):
         for shape in SHAPES:
             rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","))
-    root = Path(__file__).resolve().parents[1]
-    result = {"benchmark": "attention", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
-              "rows": rows}
-    write_json(result, Path(args.out) if args.out else
-               root / "benchmarks" / "results" / "attention" / f"attention-{datetime.date.today()}.json")
+    write_rows("attention", torch, args, rows)
     return 0
 
 

@@ -12,15 +12,36 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from result_file import commit, write_json
+from result_file import run_fields, write_json
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kiln_and_torch():
+    """kiln's CUDA backend and torch, both seeing the GPU; (None, None) with the reason printed when not."""
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    import kiln
+    if not kiln.cuda_is_available() or not torch.cuda.is_available():
+        print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)
+        return None, None
+    return kiln.backend.get_backend("cuda"), torch
+
+
+def write_rows(benchmark: str, torch, args, rows: list) -> None:
+    """The result file of a kernel benchmark: its rows with where they come from, at --out or at
+    benchmarks/results/<benchmark>/<benchmark>-<date>.json."""
+    record = {"benchmark": benchmark, **run_fields("cuda"), "torch": torch.__version__, "iters": args.iters,
+              "rows": rows}
+    write_json(record, Path(args.out) if args.out else
+               ROOT / "benchmarks" / "results" / benchmark / f"{benchmark}-{datetime.date.today()}.json")
 
 
 def median_ms(fn, iters: int, stream_kind: str, warmup: int = 3) -> float:
@@ -370,25 +391,14 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(BENCHES), help="comma-separated families: " + ",".join(BENCHES))
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/kernels/kernels-<date>.json)")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import torch
-
-    import kiln
-    if not kiln.cuda_is_available() or not torch.cuda.is_available():
-        print("needs a GPU visible to both CuPy and PyTorch", file=sys.stderr)
+    k, torch = kiln_and_torch()
+    if k is None:
         return 2
-    k = kiln.backend.get_backend("cuda")
     print(f"{'family':14s} {'op':22s} {'dtype':9s} {'kiln ms':>9s} {'host ms':>9s} {'torch ms':>9s} {'ratio':>7s}  kiln / torch")
     rows = []
     for name in args.only.split(","):
         rows += BENCHES[name.strip()](k, args.iters)
-    root = Path(__file__).resolve().parents[1]
-    result = {"benchmark": "kernels", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "iters": args.iters,
-              "rows": rows}
-    write_json(result, Path(args.out) if args.out else
-               root / "benchmarks" / "results" / "kernels" / f"kernels-{datetime.date.today()}.json")
+    write_rows("kernels", torch, args, rows)
     return 0
 
 
