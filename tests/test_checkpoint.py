@@ -323,8 +323,10 @@ def _losses(run_dir):
 
 @pytest.mark.parametrize("async_checkpoint", [True, False])
 def test_resume_is_bit_exact(tmp_path, async_checkpoint):
-    """Stop at step 4 of 10 (dropout on, 2 micro-batches), resume: the same losses, bit for bit."""
-    cfg = dict(SMALL, max_steps=10, eval_interval=5, grad_accum=2, checkpoint_interval=4,
+    """Stop at step 4 of 10 (dropout on, 2 micro-batches, evaluations at 3, before the checkpoint, and
+    at 6 and 9 after it, as tests/test_data_staging_cuda.py's run on the GPU), resume: the same losses,
+    bit for bit."""
+    cfg = dict(SMALL, max_steps=10, eval_interval=3, grad_accum=2, checkpoint_interval=4,
                async_checkpoint=async_checkpoint, out_dir=str(tmp_path))
     full = Trainer(TrainConfig(**cfg, run_name="full")).fit()
     ck = CheckpointFolder(tmp_path / "full" / "checkpoints")

@@ -4,6 +4,15 @@ CuPy is imported lazily, so `import kiln.backend.cuda` works on a machine with C
 driver (or no CuPy at all); only `ensure_available()` and the first device call fail there.
 All work runs on one non-blocking stream per device, created at first use and made CuPy's
 current stream, so CuPy's own elementwise ops, kiln's kernels and cuBLASLt are ordered on it.
+
+CuPy keeps a per-thread stack of streams besides the current one (cupy/cuda/stream.pyx,
+_ThreadLocal): `Stream.use()` sets the current stream and leaves the stack alone, and a
+`with stream:` block, when it exits, makes the stack's previous entry current. CuPy runs such
+blocks itself (`ndarray.get()` of a strided array, so every `to_host`/`asnumpy` of a view), so a
+stream made current with `use()` alone gave way to the legacy null stream after the first one,
+and CuPy's own work that followed (a CPU fallback's upload of its results, the copies after it)
+ran unordered with kiln's non-blocking stream until kiln's next launch made its stream current
+again. kiln's stream is therefore pushed onto that stack once per thread and device, and stays.
 """
 
 from __future__ import annotations
@@ -63,10 +72,15 @@ def compute_stream():
             s = _streams.get(dev)
             if s is None:
                 s = _first_use(dev)
-    # Checked on every call, not once per thread: other code can make another stream current
-    # (seen on the H200: after a resumed cuda run the main thread's current stream was the
-    # legacy null stream), and CuPy work there races kiln's non-blocking stream.
-    if cupy().cuda.get_current_stream().ptr != s.ptr:
+    pushed = getattr(_current, "pushed", None)
+    if pushed is None:
+        pushed = _current.pushed = set()
+    if dev not in pushed:  # onto this thread's CuPy stream stack, never popped: see the module's doc
+        s.__enter__()
+        pushed.add(dev)
+    # Checked on every call, not once per thread: other code can make another stream current, and
+    # CuPy work there races kiln's non-blocking stream.
+    elif cupy().cuda.get_current_stream().ptr != s.ptr:
         s.use()
     return s
 

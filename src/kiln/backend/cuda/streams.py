@@ -28,13 +28,15 @@ def new_stream(high_priority: bool = False):
 def use_stream(stream):
     """Run kiln's kernels, GEMMs and CuPy's own ops issued inside the block on `stream` (in this
     thread), then go back to the stream that was in use. Memory allocated inside and freed after
-    must be ordered with events by the caller: the caching allocator assumes one stream."""
+    must be ordered with events by the caller: the caching allocator assumes one stream. `stream`
+    is pushed onto CuPy's stream stack (kiln.backend.cuda.device), so that a CuPy `with` block
+    inside comes back to it, not to the stream below."""
     previous = getattr(rt._current, "stream", None)
     rt.compute_stream()
     rt._current.stream = stream
     try:
-        stream.use()
-        yield stream
+        with stream:
+            yield stream
     finally:
         rt._current.stream = previous
         rt.stream()  # makes the previous stream current again
