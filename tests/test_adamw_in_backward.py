@@ -165,7 +165,7 @@ def test_cuda_in_backward_step_equals_backward_clip_step_bit_for_bit(max_norm, r
         m.recompute_blocks, m.recompute_norm_gelu = recompute, norm_gelu
     ordinary, inside = models
     opt, opt_in = adamw(ordinary, False), adamw(inside, True)
-    for x, y in batches(3):
+    for step, (x, y) in enumerate(batches(3)):
         x, y = x.to("cuda"), y.to("cuda")
         opt.zero_grad()
         ordinary(x, y)[1].backward()
@@ -173,6 +173,8 @@ def test_cuda_in_backward_step_equals_backward_clip_step_bit_for_bit(max_norm, r
         opt.step()
         norm_in = opt_in.backward_step(inside(x, y)[1], max_norm)
         if max_norm is not None:
-            assert norm_in.numpy().tobytes() == norm.numpy().tobytes()
-    for (name, a), b in zip(ordinary.named_parameters(), inside.parameters()):
-        assert a.numpy().tobytes() == b.numpy().tobytes(), name
+            assert norm_in.numpy().tobytes() == norm.numpy().tobytes(), \
+                f"step {step}: norm {float(norm_in.item())} in backward, {float(norm.item())} ordinary"
+        differ = [name for (name, a), b in zip(ordinary.named_parameters(), inside.parameters())
+                  if a.numpy().tobytes() != b.numpy().tobytes()]
+        assert not differ, f"step {step}: {len(differ)} parameters differ: {', '.join(differ)}"

@@ -114,3 +114,79 @@ def test_a_kernel_opts_in_to_dynamic_shared_memory_past_48_kib_once(monkeypatch)
         k((1,), (384,), (), shared_mem=shared)
     assert fn.launches == [0, 48 * 1024, 148560, 148560, 100000, 230464]
     assert fn.attribute_sets == [148560, 230464]
+
+
+class _FakeStream:
+    """A CuPy stream that logs, in a fake CuPy whose current stream it can be."""
+
+    def __init__(self, name, cuda):
+        self.name, self.ptr, self._cuda = name, id(self), cuda
+
+    def synchronize(self):
+        self._cuda.log.append(("sync", self.name))
+
+    def __enter__(self):
+        self._outer, self._cuda.current = self._cuda.current, self
+        return self
+
+    def __exit__(self, *exc):
+        self._cuda.current = self._outer
+
+
+class _FakeDeviceArray:
+    def __init__(self, host, cuda):
+        self.host, self.dtype, self.shape, self._cuda = host, host.dtype, host.shape, cuda
+
+    def get(self, stream=None):
+        self._cuda.log.append(("to host", (stream or self._cuda.current).name))
+        return self.host.copy()
+
+
+class _FakeCupy:
+    def __init__(self):
+        self.cuda = self
+        self.log = []
+        self.current = _FakeStream("legacy null", self)
+        self.kiln = _FakeStream("kiln", self)
+
+    def get_current_stream(self):
+        return self.current
+
+    def asarray(self, host):
+        self.log.append(("to device", self.current.name))
+        return _FakeDeviceArray(host, self)
+
+
+@pytest.mark.parametrize("current", ["legacy null", "kiln"])
+def test_the_cpu_fallback_copies_in_order_with_kilns_stream_whichever_stream_is_current(monkeypatch, current):
+    """cpu_fallback waits for what kiln's stream and the caller's current stream queued before the host
+    reads the arguments (on kiln's stream), uploads the results on kiln's stream and waits for them, so a
+    caller whose current stream is not kiln's (the legacy null stream, seen on the H200) neither reads
+    arguments before they are written nor results before they land (the zeros of 2026-12-05's
+    packed-views attention test)."""
+    import numpy as np
+
+    from kiln.backend.cuda import launch
+
+    cp = _FakeCupy()
+    if current == "kiln":
+        cp.current = cp.kiln
+
+    def stream():  # device.stream(): kiln's stream, made current
+        cp.current = cp.kiln
+        return cp.kiln
+
+    monkeypatch.setattr(launch.rt, "cupy", lambda: cp)
+    monkeypatch.setattr(launch.rt, "stream", stream)
+
+    def attention_fwd(q, ks, scale):
+        return q * scale, (q + ks[0]).sum(axis=-1)
+
+    q, k = np.arange(6.0).reshape(2, 3), np.ones((2, 3))
+    with pytest.warns(RuntimeWarning, match="attention_fwd has no CUDA kernel"):
+        out, total = launch.cpu_fallback(attention_fwd, _FakeDeviceArray(q, cp), [_FakeDeviceArray(k, cp)], 2.0)
+    assert np.array_equal(out.host, q * 2.0) and np.array_equal(total.host, (q + 1).sum(axis=-1))
+    waits_for_the_caller = [("sync", "legacy null")] if current == "legacy null" else []
+    assert cp.log == waits_for_the_caller + [("to host", "kiln"), ("to host", "kiln"),
+                                             ("to device", "kiln"), ("to device", "kiln"), ("sync", "kiln")]
+    assert cp.current is cp.kiln

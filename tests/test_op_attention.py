@@ -108,6 +108,34 @@ def test_attention_reads_and_writes_packed_views(gpu, rng, shape, dtype):
         close(gpu, a, r, dtype, factor=10 if dtype == np.float32 else 2)
 
 
+@pytest.mark.cuda
+def test_the_cpu_fallback_is_ordered_with_kilns_stream_whichever_stream_is_current(gpu, rng):
+    """D = 48 runs on the CPU (launch.cpu_fallback). Its arguments written on kiln's stream behind ~80 ms
+    of GEMMs, and the legacy null stream current when it is called (what device.compute_stream found after
+    a resumed run on the H200): the host reads what kiln's stream wrote, not the arrays before it did, and
+    the results are on the device when read on the null stream (2026-12-05: zeros from the fallback)."""
+    from kiln.backend.cuda import device
+    xp = gpu.xp
+    shape, scale = (1, 2, 40, 48), 1.0 / math.sqrt(48)
+    host = [rand(shape, np.float32, rng) for _ in range(3)]
+    src = [gpu.asarray(a) for a in host]  # kiln's stream is current from here
+    args = [xp.zeros(shape, np.float32) for _ in host]
+    big = xp.full((4096, 4096), 1e-4, np.float32)
+    for _ in range(30):  # a queue on kiln's stream ahead of the arguments' writes
+        big = big @ big
+    for dst, a in zip(args, src):
+        dst[...] = a
+    null = xp.cuda.Stream.null
+    null.use()
+    try:
+        out, lse = gpu.attention_fwd(*args, scale)
+        got = (out.get(stream=null), lse.get(stream=null))
+    finally:
+        device.stream()  # kiln's stream current again
+    ref = cpu.attention_fwd(*host, scale)
+    assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+
+
 def test_cpu_reference_of_blocks_matches_pytorch_with_an_explicit_mask():
     """The CPU reference of context parallelism's blocks: q [Tq] against k, v [Tk], causal with an
     offset (query i sees keys j <= i + offset) and full, output, lse and gradients."""

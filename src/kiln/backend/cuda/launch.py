@@ -95,34 +95,58 @@ def as_index(a):
     return a
 
 
-def to_host(x):
-    if x is None or isinstance(x, (np.ndarray, np.generic, int, float, bool, str)):
-        return x
-    if hasattr(x, "get") and hasattr(x, "dtype"):
-        return x.get()
+def _on_device(x) -> bool:
+    """Whether x is a device array, or a list or tuple holding one."""
     if isinstance(x, (list, tuple)):
-        return type(x)(to_host(v) for v in x)
-    return x
+        return any(_on_device(v) for v in x)
+    return hasattr(x, "get") and hasattr(x, "dtype") and not isinstance(x, (np.ndarray, np.generic))
 
 
-def to_device(x):
+def to_host(x, stream=None):
+    """A host copy of a device array (lists and tuples element by element; anything else as it is), copied
+    on `stream` (default: CuPy's current one) once the work queued there has run."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_host(v, stream) for v in x)
+    return x.get(stream=stream) if _on_device(x) else x
+
+
+def to_device(x, stream=None):
+    """Device copies of the host arrays in x (lists and tuples element by element), queued on `stream`
+    (default: CuPy's current one)."""
     if isinstance(x, np.ndarray):
-        return rt.cupy().asarray(x)
-    if isinstance(x, tuple):
-        return tuple(to_device(v) for v in x)
-    if isinstance(x, list):
-        return [to_device(v) for v in x]
+        if stream is None:
+            return rt.cupy().asarray(x)
+        with stream:
+            return rt.cupy().asarray(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, stream) for v in x)
     return x
 
 
 def cpu_fallback(fn, *args):
     """Run the CPU backend's `fn` on host copies of the device arrays and bring the results back. It says
     so (a RuntimeWarning, once per op and arguments): on a GPU run that op is slow, and a training step
-    that uses it cannot be captured as a CUDA graph, so the user should hear why."""
+    that uses it cannot be captured as a CUDA graph, so the user should hear why.
+
+    The copies are ordered with kiln's stream whichever stream CuPy has current when this is called (the
+    legacy null stream, after some runs on the H200: device.compute_stream): the host reads the arguments
+    once the work queued on kiln's stream and on that current stream (the caller's own CuPy calls) has run,
+    and the results have landed on the device when this returns, so any stream may read them. Left to the
+    current stream, the host can read arguments before kiln's stream has written them, and kiln's stream
+    can read the results before their copies on the other stream have landed (fresh memory: zeros, as the
+    packed-views attention test found on 2026-12-05)."""
     arrays = ", ".join(f"{a.dtype} {list(a.shape)}" for a in args if hasattr(a, "shape") and hasattr(a, "dtype"))
     warnings.warn(f"kiln: {fn.__name__} has no CUDA kernel for these arguments ({arrays}): it runs on the CPU, "
                   "with copies both ways, and a training step that uses it runs op by op", RuntimeWarning, stacklevel=3)
-    return to_device(fn(*[to_host(a) for a in args]))
+    if not _on_device(args):  # host arguments only: no device work to wait for
+        return to_device(fn(*args))
+    caller = rt.cupy().cuda.get_current_stream()
+    s = rt.stream()  # kiln's stream, made current
+    if caller is not None and caller.ptr != s.ptr:
+        caller.synchronize()
+    out = to_device(fn(*[to_host(a, s) for a in args]), s)
+    s.synchronize()
+    return out
 
 
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory past this needs the kernel's opt-in attribute
