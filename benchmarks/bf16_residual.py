@@ -17,7 +17,7 @@ the run measures its loss) and held-out windows (how good its weights are). --ab
 kiln's bf16 runs. --hold-out 0 trains on the windows of the runs before 2026-12-05.
 
     python benchmarks/bf16_residual.py [--steps 300] [--n-layer 4] [--n-embd 128] [--seq-len 128]
-        [--eval-every 20] [--hold-out 40000] [--ablate grad-bf16]
+        [--eval-every 20] [--hold-out 40000] [--ablate grad-bf16|attn-p-bf16]
 """
 
 from __future__ import annotations
@@ -107,7 +107,32 @@ def ablate_grad_bf16(backend) -> None:
     backend.linear_bwd, backend.lm_head_xent_fwd = patched_linear_bwd, patched_lm_head_fwd
 
 
-ABLATIONS = {"grad-bf16": ablate_grad_bf16}  # bias-once (commit acf1514) is kiln's CPU linear since: one rounding
+def ablate_attn_p_bf16(backend) -> None:
+    """--ablate attn-p-bf16: the attention forward's unnormalised probabilities exp(s - max) rounded to bf16 before
+    P @ V (their sum, the normaliser and the log-sum-exp stay fp32), as PyTorch's CPU SDPA does on bf16 inputs
+    under autocast and kiln's wgmma attention kernels do (attention.cu pack2); kiln's CPU attention keeps P in
+    fp32. The backward is kiln's. Patches the CPU backend of this process only."""
+    import importlib
+
+    import ml_dtypes
+    attention = importlib.import_module("kiln.backend.cpu.attention")  # the package exports a function of that name
+
+    def attention_fwd(q, k, v, scale, causal=True, offset=0):
+        s = attention._scores(attention._c(q), attention._c(k), scale, causal, offset)
+        m = s.max(axis=-1, keepdims=True)
+        p = np.exp(s - m)
+        denom = p.sum(axis=-1, keepdims=True)
+        out = p.astype(ml_dtypes.bfloat16).astype(np.float32) @ attention._c(v)
+        out /= denom
+        return out.astype(q.dtype, copy=False), (m + np.log(denom))[..., 0]
+
+    backend.attention_fwd = attention_fwd
+
+
+# bias-once (commit acf1514) is kiln's CPU linear since (94cfb24): one rounding. Its ablation patched
+# `from kiln.backend.cpu import matmul`, the package's matmul function, not the module: the MLP's c_fc
+# (linear_gelu_fwd) kept rounding twice in the bias-once runs (bf16_cause-2026-12-05-part3.md)
+ABLATIONS = {"grad-bf16": ablate_grad_bf16, "attn-p-bf16": ablate_attn_p_bf16}
 
 
 def train_kiln(args, cfg, tokens, starts, run: str, evaluate: Evaluator) -> dict:
