@@ -493,3 +493,66 @@ def _random_run(seed: int, ops: int = 600) -> list:
 @pytest.mark.parametrize("seed", range(6))
 def test_no_block_is_handed_out_twice_and_the_same_requests_get_the_same_addresses(seed):
     assert _random_run(seed) == _random_run(seed)
+
+
+# --- CuPy's side: each block lent to CuPy's memory object through a _Lease --------------------------------
+class FakeMemoryModule:
+    """cupy.cuda.memory's UnownedMemory (it keeps its owner) and MemoryPointer, as plain objects."""
+
+    class UnownedMemory:
+        def __init__(self, ptr, size, owner, device_id):
+            self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+
+def test_a_block_lent_to_cupy_comes_back_however_its_memory_dies():
+    """Dropped, or collected in a reference cycle (where CuPy's own PythonFunctionAllocatorMemory lost its
+    free function to Cython's clear and the block was never given back)."""
+    import gc
+
+    from kiln.backend.cuda.allocator import cupy_malloc
+    driver = FakeDriver()
+    a = CachingAllocator(driver.malloc, driver.free)
+    malloc = cupy_malloc(a, FakeMemoryModule, lambda: 0)
+    p = malloc(4096)
+    assert a.memory_stats()["allocated_bytes"] == 4096 and p.ptr == p.mem._owner.ptr
+    del p
+    assert a.memory_stats()["allocated_bytes"] == 0
+    gc.disable()  # the cycle must wait for the collection below
+    try:
+        cycle = {"memory": malloc(1 << 20)}
+        cycle["self"] = cycle
+        del cycle
+        assert a.memory_stats()["allocated_bytes"] == 1 << 20
+        gc.collect()
+    finally:
+        gc.enable()
+    assert a.memory_stats()["allocated_bytes"] == 0
+    empty = malloc(0)  # no block, as CuPy's own allocator
+    assert empty.ptr == 0 and a.memory_stats()["num_allocs"] == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("kiln").cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")
+def test_cuda_an_array_collected_in_a_cycle_gives_its_block_back():
+    import gc
+
+    import kiln
+    from kiln.backend.cuda import allocator
+    x = kiln.tensor(np.ones(4, np.float32), device="cuda")  # kiln's allocator installed
+    alloc = allocator.installed()
+    gc.collect()
+    before = alloc.memory_stats()["allocated_bytes"]
+    gc.disable()
+    try:
+        for _ in range(20):
+            cycle = {"array": (x * 2.0).data}
+            cycle["self"] = cycle
+            del cycle
+        gc.collect()
+    finally:
+        gc.enable()
+    assert alloc.memory_stats()["allocated_bytes"] == before

@@ -240,7 +240,7 @@ class CachingAllocator:
                                      "num_allocs", "num_frees", "num_driver_mallocs", "num_driver_frees",
                                      "num_ooms", "num_splits", "num_merges"), 0)
 
-    # CuPy's PythonFunctionAllocator calls malloc(size, device_id) -> ptr and free(ptr, device_id).
+    # cupy_malloc calls malloc(size, device_id) -> ptr, and a _Lease calls free(ptr, device_id).
     def malloc(self, size: int, device_id: int = 0) -> int:
         size = int(size)
         with self._locked():
@@ -593,18 +593,47 @@ def _cuda_free(ptr: int, device_id: int) -> None:
         cupy.cuda.runtime.free(ptr)
 
 
+class _Lease:
+    """One block of kiln's allocator held by a CuPy memory object: given back when that lets go of it.
+
+    Not CuPy's PythonFunctionAllocator: its memory object calls the free function from a Cython
+    `__dealloc__`, and when a garbage collection breaks a reference cycle holding the memory, Cython's
+    clear sets that function to None first, so the block was never given back (the H200 logs of
+    2026-12-05: "Exception ignored in PythonFunctionAllocatorMemory.__dealloc__ ... 'NoneType' object is
+    not callable"). A Python object's `__del__` runs however it dies: collected in a cycle, or released
+    when the collector clears the memory object that held it."""
+
+    __slots__ = ("alloc", "ptr", "device_id")
+
+    def __init__(self, alloc: CachingAllocator, ptr: int, device_id: int):
+        self.alloc, self.ptr, self.device_id = alloc, ptr, device_id
+
+    def __del__(self):
+        self.alloc.free(self.ptr, self.device_id)
+
+
+def cupy_malloc(alloc: CachingAllocator, memory, get_device):
+    """CuPy's allocator function (size -> MemoryPointer) over `alloc`: `memory` is cupy.cuda.memory,
+    `get_device` gives the current device id. Each block is lent to an UnownedMemory through a _Lease."""
+    def malloc(size: int):
+        device_id = get_device()
+        if size == 0:  # as CuPy's own: no block, a null pointer on the device
+            return memory.MemoryPointer(memory.UnownedMemory(0, 0, None, device_id), 0)
+        lease = _Lease(alloc, alloc.malloc(size, device_id), device_id)
+        return memory.MemoryPointer(memory.UnownedMemory(lease.ptr, size, lease, device_id), 0)
+    return malloc
+
+
 _installed: CachingAllocator | None = None
-_cupy_allocator = None
 
 
 def install() -> CachingAllocator:
     """Make kiln's allocator CuPy's device allocator (pinned memory stays with CuPy)."""
-    global _installed, _cupy_allocator
+    global _installed
     if _installed is None:
         import cupy
         alloc = CachingAllocator()
-        _cupy_allocator = cupy.cuda.memory.PythonFunctionAllocator(alloc.malloc, alloc.free)
-        cupy.cuda.set_allocator(_cupy_allocator.malloc)
+        cupy.cuda.set_allocator(cupy_malloc(alloc, cupy.cuda.memory, cupy.cuda.runtime.getDevice))
         _installed = alloc
     return _installed
 
