@@ -111,9 +111,9 @@ def test_attention_reads_and_writes_packed_views(gpu, rng, shape, dtype):
 @pytest.mark.cuda
 def test_the_cpu_fallback_is_ordered_with_kilns_stream_whichever_stream_is_current(gpu, rng):
     """D = 48 runs on the CPU (launch.cpu_fallback). Its arguments written on kiln's stream behind ~80 ms
-    of GEMMs, and the legacy null stream current when it is called (what device.compute_stream found after
-    a resumed run on the H200): the host reads what kiln's stream wrote, not the arrays before it did, and
-    the results are on the device when read on the null stream (2026-12-05: zeros from the fallback)."""
+    of GEMMs, and the legacy null stream current when it is called (as CuPy's stream stack left it on the
+    H200, see device.compute_stream): the host reads what kiln's stream wrote, not the arrays before it
+    did, and kiln's stream reads the results after they land (2026-12-05: zeros from the fallback)."""
     from kiln.backend.cuda import device
     xp = gpu.xp
     shape, scale = (1, 2, 40, 48), 1.0 / math.sqrt(48)
@@ -125,13 +125,12 @@ def test_the_cpu_fallback_is_ordered_with_kilns_stream_whichever_stream_is_curre
         big = big @ big
     for dst, a in zip(args, src):
         dst[...] = a
-    null = xp.cuda.Stream.null
-    null.use()
+    xp.cuda.Stream.null.use()
     try:
         out, lse = gpu.attention_fwd(*args, scale)
-        got = (out.get(stream=null), lse.get(stream=null))
     finally:
         device.stream()  # kiln's stream current again
+    got = (gpu.to_numpy(out * 1.0), gpu.to_numpy(lse * 1.0))  # read by kernels on kiln's stream first
     ref = cpu.attention_fwd(*host, scale)
     assert all(np.array_equal(g, r) for g, r in zip(got, ref))
 

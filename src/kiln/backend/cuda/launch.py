@@ -95,31 +95,23 @@ def as_index(a):
     return a
 
 
-def _on_device(x) -> bool:
-    """Whether x is a device array, or a list or tuple holding one."""
+def to_host(x):
+    """A host copy of a device array (lists and tuples element by element; anything else as it is), read
+    on CuPy's current stream once the work queued there has run."""
     if isinstance(x, (list, tuple)):
-        return any(_on_device(v) for v in x)
-    return hasattr(x, "get") and hasattr(x, "dtype") and not isinstance(x, (np.ndarray, np.generic))
+        return type(x)(to_host(v) for v in x)
+    if hasattr(x, "get") and hasattr(x, "dtype") and not isinstance(x, (np.ndarray, np.generic)):
+        return x.get()
+    return x
 
 
-def to_host(x, stream=None):
-    """A host copy of a device array (lists and tuples element by element; anything else as it is), copied
-    on `stream` (default: CuPy's current one) once the work queued there has run."""
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_host(v, stream) for v in x)
-    return x.get(stream=stream) if _on_device(x) else x
-
-
-def to_device(x, stream=None):
-    """Device copies of the host arrays in x (lists and tuples element by element), queued on `stream`
-    (default: CuPy's current one)."""
+def to_device(x):
+    """Device copies of the host arrays in x (lists and tuples element by element), queued on CuPy's
+    current stream."""
     if isinstance(x, np.ndarray):
-        if stream is None:
-            return rt.cupy().asarray(x)
-        with stream:
-            return rt.cupy().asarray(x)
+        return rt.cupy().asarray(x)
     if isinstance(x, (list, tuple)):
-        return type(x)(to_device(v, stream) for v in x)
+        return type(x)(to_device(v) for v in x)
     return x
 
 
@@ -128,25 +120,15 @@ def cpu_fallback(fn, *args):
     so (a RuntimeWarning, once per op and arguments): on a GPU run that op is slow, and a training step
     that uses it cannot be captured as a CUDA graph, so the user should hear why.
 
-    The copies are ordered with kiln's stream whichever stream CuPy has current when this is called (the
-    legacy null stream, after some runs on the H200: device.compute_stream): the host reads the arguments
-    once the work queued on kiln's stream and on that current stream (the caller's own CuPy calls) has run,
-    and the results have landed on the device when this returns, so any stream may read them. Left to the
-    current stream, the host can read arguments before kiln's stream has written them, and kiln's stream
-    can read the results before their copies on the other stream have landed (fresh memory: zeros, as the
-    packed-views attention test found on 2026-12-05)."""
+    Its copies are ordered with kiln's stream as a kernel launch is: it makes that stream CuPy's current
+    one first, so the host reads the arguments after the work that writes them and the results' uploads
+    come before the work that reads them. (On 2026-12-05 on the H200 the legacy null stream was current
+    here, left so by CuPy's stream stack, see device.compute_stream: the packed-views test read zeros.)"""
     arrays = ", ".join(f"{a.dtype} {list(a.shape)}" for a in args if hasattr(a, "shape") and hasattr(a, "dtype"))
     warnings.warn(f"kiln: {fn.__name__} has no CUDA kernel for these arguments ({arrays}): it runs on the CPU, "
                   "with copies both ways, and a training step that uses it runs op by op", RuntimeWarning, stacklevel=3)
-    if not _on_device(args):  # host arguments only: no device work to wait for
-        return to_device(fn(*args))
-    caller = rt.cupy().cuda.get_current_stream()
-    s = rt.stream()  # kiln's stream, made current
-    if caller is not None and caller.ptr != s.ptr:
-        caller.synchronize()
-    out = to_device(fn(*[to_host(a, s) for a in args]), s)
-    s.synchronize()
-    return out
+    rt.stream()
+    return to_device(fn(*[to_host(a) for a in args]))
 
 
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory past this needs the kernel's opt-in attribute
