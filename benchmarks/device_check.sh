@@ -8,7 +8,8 @@
 # into the kernel cache, then the tests in 4 shards side by side on the GPU, a log each; the serial suite took ~550 s),
 # gpt2 (gpt2_step bf16: kiln vs eager vs compile), branch-cast (issue 14: the add+LayerNorm backward writing the bf16
 # branch gradient against the old separate cast, one call, ~100 s), strict (gpt2_step tf32 and fp32: kiln, eager,
-# compile, issue 14's tf32 and fp32 rows), long (issue 14's long context: B2 T16384, bf16 and fp32, kiln vs eager),
+# compile, and kiln-recompute: issue 14's tf32 and fp32 rows), long (issue 14's long context: B2 T16384, bf16 and fp32,
+# kiln and kiln-recompute vs eager),
 # ddp / tp / cp (the parallel benchmarks at world size 1), tptrace (the async-TP schedule, N = 1 and 4,
 # in a CUPTI trace at world size 1), precision (kiln compare on the GPU in
 # bf16 and fp32), profile (the graph-replayed bf16 step's kernels against the ceilings), the paper's Figure 3
@@ -60,9 +61,9 @@ for p in "$@"; do
                      --warmup 10 --frameworks kiln --bf16-residual bf16 --out "$LOGS/gpt2-bf16-residual-bf16" ;;
         branch-cast) part gpt2_step-branch-cast 150 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 \
                          --warmup 10 --frameworks kiln,kiln-branch-cast --out "$LOGS/gpt2-branch-cast" ;;
-        strict) part gpt2_step-tf32-fp32 420 python3 benchmarks/gpt2_step.py --modes tf32,fp32 --steps 30 --warmup 5 \
-                    --out "$LOGS/gpt2-tf32-fp32" ;;
-        long) part gpt2_step-long 420 python3 benchmarks/gpt2_step.py --modes bf16,fp32 --frameworks kiln,eager \
+        strict) part gpt2_step-tf32-fp32 480 python3 benchmarks/gpt2_step.py --modes tf32,fp32 --steps 30 --warmup 5 \
+                    --frameworks kiln,kiln-recompute,eager,compile --out "$LOGS/gpt2-tf32-fp32" ;;
+        long) part gpt2_step-long 420 python3 benchmarks/gpt2_step.py --modes bf16,fp32 --frameworks kiln,kiln-recompute,eager \
                   --batch-size 2 --seq-len 16384 --steps 10 --warmup 3 --out "$LOGS/gpt2-long" ;;
         ddp) part ddp 100 python3 benchmarks/ddp.py --steps 20 --warmup 5 ;;
         tp) part tp 120 python3 benchmarks/tp.py ;;

@@ -12,7 +12,9 @@ tokens/s is the tokens of the steps after --warmup over their wall time (one dev
 each end), and the losses are read after. `kiln-whole-logits` is kiln with the LM head unfused
 (the [B*T, V] logits made whole), the A/B of the fused head; `kiln-branch-cast` is kiln with the
 bf16 branch's gradient made by a cast of the add+LayerNorm backward's fp32 dx (the path before that kernel
-stored it, the A/B of the fold: the same losses bit for bit, 6 bytes an element more). Peak memory is the framework's own
+stored it, the A/B of the fold: the same losses bit for bit, 6 bytes an element more); `kiln-recompute` is kiln with
+the LayerNorm outputs and the GELU made again in backward (`recompute_norm_gelu`: 10 of a block's 16 saved activations
+not kept, the same losses bit for bit, the A/B of memory against time). Peak memory is the framework's own
 peak of allocated device memory; fidelity is the largest difference of the per-step losses
 against PyTorch eager in the same mode. Writes benchmarks/results/gpt2_step/gpt2_step-<date>.json and .md.
 """
@@ -55,6 +57,7 @@ def run_kiln(args, batches):
     from kiln.train import apply_precision, plain_step
     model, _ = _model(args)
     model.fused_lm_head = args.framework != "kiln-whole-logits"
+    model.recompute_norm_gelu = args.framework == "kiln-recompute"
     dev = kiln.device("cuda")
     if args.framework == "kiln-branch-cast":
         _branch_gradient_by_a_cast(dev.backend)
@@ -189,7 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="fp32,tf32,bf16")
     ap.add_argument("--frameworks", default="kiln,eager,compile",
-                    help="of kiln, kiln-whole-logits, kiln-branch-cast, eager, compile, compile-max")
+                    help="of kiln, kiln-whole-logits, kiln-branch-cast, kiln-recompute, eager, compile, compile-max")
     ap.add_argument("--max-autotune", action="store_true",
                     help="add compile-max (torch.compile mode max-autotune-no-cudagraphs: minutes of autotuning)")
     ap.add_argument("--worker-timeout", type=float, default=900, help="seconds one (framework, mode) may take")
