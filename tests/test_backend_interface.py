@@ -119,40 +119,26 @@ def test_a_kernel_opts_in_to_dynamic_shared_memory_past_48_kib_once(monkeypatch)
 
 
 class _FakeStream:
-    """A CuPy stream that logs, in a fake CuPy whose current stream it can be."""
+    """A CuPy stream, by name, that a fake CuPy's copies log."""
 
-    def __init__(self, name, cuda):
-        self.name, self.ptr, self._cuda = name, id(self), cuda
-
-    def synchronize(self):
-        self._cuda.log.append(("sync", self.name))
-
-    def __enter__(self):
-        self._outer, self._cuda.current = self._cuda.current, self
-        return self
-
-    def __exit__(self, *exc):
-        self._cuda.current = self._outer
+    def __init__(self, name):
+        self.name = name
 
 
 class _FakeDeviceArray:
     def __init__(self, host, cuda):
         self.host, self.dtype, self.shape, self._cuda = host, host.dtype, host.shape, cuda
 
-    def get(self, stream=None):
-        self._cuda.log.append(("to host", (stream or self._cuda.current).name))
+    def get(self):
+        self._cuda.log.append(("to host", self._cuda.current.name))
         return self.host.copy()
 
 
 class _FakeCupy:
     def __init__(self):
-        self.cuda = self
         self.log = []
-        self.current = _FakeStream("legacy null", self)
-        self.kiln = _FakeStream("kiln", self)
-
-    def get_current_stream(self):
-        return self.current
+        self.current = _FakeStream("legacy null")
+        self.kiln = _FakeStream("kiln")
 
     def asarray(self, host):
         self.log.append(("to device", self.current.name))
