@@ -19,6 +19,12 @@ The bfloat16/float16 forward has a second kernel with flash-attention 3's struct
 consumer warpgroups of 64 rows, 128-key tiles in dynamic shared memory, one persistent block per
 SM), chosen with KILN_ATTENTION_FWD=tma (or tma-pingpong: the consumers take turns at the tensor
 cores) at head dims 64 and 128; the default is the one-warpgroup kernel.
+
+The bfloat16/float16 backward is, by default, three kernels (delta = rowsum(dO·O); dK and dV by key
+blocks; dQ by query blocks, S and dP computed in both). KILN_ATTENTION_BWD=fused (head dims 64 and
+128) runs delta and one kernel for dK, dV and dQ (`attention_bwd_fused_tc`: the key-block walk adds
+each tile's dQ into an fp32 accumulator, the key blocks of a query tile in a fixed order behind a
+semaphore, so the result is bitwise repeatable).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 war
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("wgmma", "tma", "tma-pingpong")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
+BWD_VARIANTS = ("split", "fused")  # KILN_ATTENTION_BWD: the bf16/fp16 backward kernels
+FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
+DKDV_Q = {32: 64, 64: 64, 128: 16}  # query rows per tile of dK/dV and of the fused kernel (TcShape::dkdv_q)
 TMA_HEAD_DIMS = (64, 128)
 TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer warpgroups (kTmaThreads)
 TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
@@ -61,11 +70,13 @@ def _instantiations():
         out += [f"attention_bwd_delta<{t}, {d}>" for t in FLOAT_CTYPES]
     out += [f"attention_fwd_tma<{t}, {d}, {pp}>" for t in FLOAT_CTYPES[1:] for d in TMA_HEAD_DIMS
             for pp in ("false", "true")]
+    out += [f"attention_bwd_fused_tc<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS]
     return out
 
 
 register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS,
+    "KILN_ATTN_DKDV_Q": DKDV_Q[64], "KILN_ATTN_DKDV_Q_D128": DKDV_Q[128],
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
     "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
     "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS})
@@ -77,6 +88,32 @@ def fwd_variant() -> str:
     if v not in FWD_VARIANTS:
         raise ConfigError(f"KILN_ATTENTION_FWD must be one of {', '.join(FWD_VARIANTS)}, got {v!r}")
     return v
+
+
+def bwd_variant() -> str:
+    """The bf16/fp16 backward KILN_ATTENTION_BWD names (default "split": dK/dV and dQ kernels)."""
+    v = os.environ.get("KILN_ATTENTION_BWD", "split")
+    if v not in BWD_VARIANTS:
+        raise ConfigError(f"KILN_ATTENTION_BWD must be one of {', '.join(BWD_VARIANTS)}, got {v!r}")
+    return v
+
+
+def delta_rows_per_block(d: int, itemsize: int) -> int:
+    """attention_bwd_delta's rows per block of 256 threads: a row is d / (16 / itemsize) lanes, one 16-byte
+    load of each operand a lane."""
+    return 256 // (d // (16 // itemsize))
+
+
+def fused_shared_bytes(d: int) -> int:
+    """attention_bwd_fused_tc's dynamic shared memory: Q and dO tiles (two buffers each), K's tile, dS's
+    tile [BQ, 64], and 1024 bytes to align the base for the swizzle."""
+    bq = DKDV_Q[d]
+    return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + 1024
+
+
+def fused_semaphores(bh: int, n_q: int, d: int) -> int:
+    """Ints the fused backward's launch zeroes: a semaphore per (b·h, query tile) and the ticket counter."""
+    return bh * cdiv(n_q, DKDV_Q[d]) + 1
 
 
 def tma_shared_bytes(d: int) -> int:
@@ -231,12 +268,22 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     (dk, dv), dkvs = _destinations(None if into is None else into[1:], k, 2)
     delta = cp.empty((b, h, n_q), dtype=cp.float32)
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
-        (cdiv(b * h * n_q, 8),), (256,), (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
+        (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,), (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
+    common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, os_))
+    if tc and d in FUSED_HEAD_DIMS and bwd_variant() == "fused":
+        # dQ in fp32 (key block 0 stores, later ones add in order, the last writes dq), the semaphores
+        # and the ticket counter zeroed on kiln's stream (kernel comment: attention_bwd_fused_tc)
+        acc = cp.empty((b * h, n_q, d), dtype=cp.float32)
+        sem = cp.zeros(fused_semaphores(b * h, n_q, d), dtype=cp.int32)
+        get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}>")(
+            (cdiv(n_k, TC_ROWS) * b * h,), (TC_THREADS,),
+            (q, k, v, grad, lse, delta, dq, dk, dv, acc, sem, i32(b * h), *common, *_args(dqs, dkvs)),
+            shared_mem=fused_shared_bytes(d))
+        return _fill(into, (dq, dk, dv))
     if tc:
         suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS
     else:
         (_, bk, bq), suffix, threads = block_rows(d), "", F32_THREADS
-    common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, os_))
     get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
         (cdiv(n_k, bk), b * h), (threads,), (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs)))
     get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(

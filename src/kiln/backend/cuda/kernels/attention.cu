@@ -17,7 +17,8 @@
 // delta = rowsum(dO * O); `attention_bwd_dkdv` owns a block of keys and walks the query tiles
 // that see it; `attention_bwd_dq` owns a block of queries and walks the key tiles it sees.
 // Each output element is written by one thread with a fixed summation order: no atomics,
-// deterministic. float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
+// deterministic. (`attention_bwd_fused_tc`, near the end, does both walks' work in the first one
+// and adds dQ's contributions in a fixed order behind semaphores: also deterministic.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
 // bfloat16 and float16 take the tensor-core kernels (`*_tc`, Hopper wgmma) at the end of this
 // file, which keep the same structure.
 #include "common.cuh"
@@ -346,23 +347,31 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
     }
 }
 
-// delta[row] = sum_d grad[row, d] * out[row, d] over all B*H*T rows, one warp per row.
+// delta[row] = sum_d grad[row, d] * out[row, d] over all B*H*T rows: L = D / V lanes per row, each
+// reading V = 16 / sizeof(T) elements of both operands as one 16-byte load (every row is 16-byte
+// aligned: the launcher's _strides), 256 / L rows per block (delta_rows_per_block), the L partial
+// sums added by shuffles. (One warp per row moved 64 bytes per load instruction at D = 64 bf16.)
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_delta(const T* __restrict__ grad, const T* __restrict__ out,
                                                            float* __restrict__ delta, long long rows, int n_t,
                                                            int n_h, KILN_LAYOUT(o)) {
-    const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const long long base = head_offset((int)(row / n_t), n_h, o_sb, o_sh) + (row % n_t) * o_st;
+    constexpr int V = 16 / (int)sizeof(T), L = D / V;
+    static_assert(D % V == 0 && L <= 32 && 32 % L == 0, "a row's lanes are a power of two within a warp");
+    const long long row = (long long)blockIdx.x * (256 / L) + threadIdx.x / L;
+    const int part = threadIdx.x % L;
     float s = 0.0f;
+    if (row < rows) {
+        const long long e = head_offset((int)(row / n_t), n_h, o_sb, o_sh) + (row % n_t) * o_st + part * V;
+        const uint4 gv = __ldg(reinterpret_cast<const uint4*>(grad + e));
+        const uint4 ov = __ldg(reinterpret_cast<const uint4*>(out + e));
+        const T* gs = reinterpret_cast<const T*>(&gv);
+        const T* os = reinterpret_cast<const T*>(&ov);
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) {
-        const long long e = base + lane + 32 * c;
-        s += to_float(grad[e]) * to_float(out[e]);
+        for (int i = 0; i < V; ++i) s += to_float(gs[i]) * to_float(os[i]);
     }
-    s = warp_sum(s);
-    if (lane == 0) delta[row] = s;
+#pragma unroll
+    for (int o_ = L / 2; o_ > 0; o_ >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o_);
+    if (row < rows && part == 0) delta[row] = s;
 }
 
 template <typename T, int D>
@@ -887,7 +896,7 @@ template <int D> struct TcShape {
     // tiles keep static shared memory under 48 KiB; dK/dV at D = 128 (K, V fragments and both
     // accumulators in registers) takes 16 so that it does not spill.
     static constexpr int fwd_k = D >= 128 ? 32 : 64;
-    static constexpr int dkdv_q = D >= 128 ? 16 : 64;
+    static constexpr int dkdv_q = D >= 128 ? KILN_ATTN_DKDV_Q_D128 : KILN_ATTN_DKDV_Q;  // also the fused kernel's
     static constexpr int dq_k = D >= 128 ? 32 : 64;
     // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers: two
     // score tiles are live while the next one is computed).
@@ -1194,6 +1203,262 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
         wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);
     }
     frag_store<T, D>(dq + head_offset(blockIdx.y, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
+}
+
+// ---- The fused backward: dK, dV and dQ in one kernel, dQ added in a fixed order ----------------
+//
+// attention_bwd_fused_tc is attention_bwd_dkdv_tc (a block owns 64 keys, walks the query tiles that
+// see them: S and dP computed once) that also forms each tile's dQ contribution, dQᵀ = Kᵀ·dSᵀ
+// (D x BQ: dSᵀ is in registers by key rows, so it goes to shared memory and both operands of this
+// product are read from there: Kᵀ MN-major, wgmma's transpose bit for A; dS K-major), and adds it
+// into an fp32 accumulator [B·H, n_q, D] in global memory. 5 products per tile instead of the
+// split kernels' 4 + 3.
+// Determinism: the contributions to query tile i come from key blocks 0..last(i) (a row's visible
+// keys are a prefix, so a tile seen by key block kb is seen by every earlier one, and key block 0
+// sees every row); they are added in that order. A semaphore per (b·h, query tile) counts the
+// contributions made: key block kb waits until it reads kb, adds its tile, makes its writes
+// visible (__threadfence), and sets it to kb + 1 (flash-attention 3's deterministic backward
+// uses such a lock per query tile). Key block 0 stores instead of adding (no zeroing of the
+// accumulator), the middle ones add with RED (fire and forget; in turn, so in a fixed order), and
+// key block last(i) reads the sum, adds its own and writes dQ in T into the caller's layout (no
+// conversion kernel): every dQ element has one writer, each accumulator element a fixed order of
+// additions.
+// Deadlock: a block waits only on lower key blocks of its head. Blocks take their job from a
+// ticket (an atomicAdd on a counter after the semaphores), not from blockIdx: ticket t is key
+// block t / (B·H) of head t % (B·H), so every job a job waits on has a lower ticket, which a
+// running block has already taken (it is resident); by induction on the ticket every wait ends,
+// whatever order the hardware starts blocks in. Key block 0 of every head comes first, the
+// blocks with the most query tiles (as dkdv's launch order). The launcher zeroes the semaphores
+// and the counter (n_bh * cdiv(n_q, BQ) + 1 ints) on kiln's stream before each launch.
+// Head dims that are multiples of 64 (the M of dQᵀ's wgmma is D, 64 rows per product).
+
+// wgmma.mma_async m64nNk16, A and B both by descriptor; TA = 1 takes A M-major (the tile is Aᵀ).
+template <typename T, int N> struct WgmmaSS;
+template <> struct WgmmaSS<__nv_bfloat16, 16> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[2][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, %11;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+template <> struct WgmmaSS<__half, 16> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[2][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, %11;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+template <> struct WgmmaSS<__nv_bfloat16, 64> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[8][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+template <> struct WgmmaSS<__half, 64> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[8][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+
+// Stores the 16 x BQ tile of dSᵀ a warp holds as A fragments (c_to_a's da: rows = keys key0..key0+15
+// of the block, columns = the tile's queries) transposed into the SwTile<BQ, 64> at shared address
+// dst, rows = queries, columns = keys: stmatrix .trans writes each 8 x 8 piece as its transpose,
+// lane l giving the address of row l & 7 of piece l >> 3 (pieces: keys lo/hi x queries lo/hi).
+template <int BQ>
+__device__ __forceinline__ void ds_store_t(u32 dst, const u32 (&da)[BQ / 16][4], int key0) {
+    const int lane = threadIdx.x & 31;
+    const int r = (lane & 7) + ((lane >> 4) << 3), ch = key0 / 8 + ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     ::"r"(dst + SwTile<BQ, kTcRows>::chunk(kk * 16 + r, ch)), "r"(da[kk][0]), "r"(da[kk][1]),
+                       "r"(da[kk][2]), "r"(da[kk][3]) : "memory");
+}
+
+// acc[N/8][4] (+)= A[64, K] · B, both read from SwTiles in shared memory at a and b (A: rows M, read
+// K-major, or with TA = 1 rows K, M-major; B as wg_issue's), issued and committed, not waited for;
+// first = 0 overwrites acc (the first k-step's scale-d is 0).
+template <typename T, int N, int K, typename ATile, typename BTile, int TA, int TB>
+__device__ __forceinline__ void wg_issue_ss(float (&acc)[N / 8][4], u32 a, u32 b, int first) {
+    fence_regs(acc);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+        WgmmaSS<T, N>::template run<TA, TB>(acc, TA ? ATile::mn_major(a, kk) : ATile::k_major(a, kk),
+                                            TB ? BTile::mn_major(b, kk) : BTile::k_major(b, kk), kk > 0 || first);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, T* __restrict__ dk,
+    T* __restrict__ dv, float* __restrict__ dq_acc, int* __restrict__ sem, int n_bh, int n_q, int n_k, int off,
+    int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq), KILN_LAYOUT(dkv)) {
+    static_assert(D % 64 == 0, "dQᵀ's products are 64 rows of D each");
+    constexpr int BQ = TcShape<D>::dkdv_q;
+    using Tile = SwTile<BQ, D>;         // Q and dO, two buffers each
+    using KTile = SwTile<kTcRows, D>;   // K: Kᵀ is the A of dQᵀ
+    using STile = SwTile<BQ, kTcRows>;  // dS [BQ queries][64 keys]: the B of dQᵀ
+    extern __shared__ unsigned char dsmem[];  // the launcher's fused_shared_bytes
+    __shared__ __align__(16) float Ls[2][BQ];
+    __shared__ __align__(16) float Ds[2][BQ];
+    __shared__ int job;
+    const u32 qs = align1024(dsmem), gs = qs + 2 * Tile::BYTES, ks = gs + 2 * Tile::BYTES, ss = ks + KTile::BYTES;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int n_qt = (n_q + BQ - 1) / BQ, n_kb = (n_k + kTcRows - 1) / kTcRows;
+    if (threadIdx.x == 0) job = atomicAdd(sem + (long long)n_bh * n_qt, 1);  // the ticket
+    __syncthreads();
+    const int kb = job / n_bh, bh = job % n_bh;
+    sem += (long long)bh * n_qt;
+    dq_acc += (long long)bh * n_q * D;
+    dq += head_offset(bh, n_h, dq_sb, dq_sh);
+    q += head_offset(bh, n_h, q_sb, q_sh);
+    const long long kvbase = head_offset(bh, n_h, kv_sb, kv_sh);
+    k += kvbase;
+    v += kvbase;
+    grad += head_offset(bh, n_h, o_sb, o_sh);
+    const long long gbase = head_offset(bh, n_h, dkv_sb, dkv_sh);
+    dk += gbase;
+    dv += gbase;
+    lse += (long long)bh * n_q;
+    delta += (long long)bh * n_q;
+    const int ld_q = (int)q_st, ld_o = (int)o_st;
+    const int n0 = kb * kTcRows;
+    const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
+    const float sl2 = scale * kLog2e;
+    // The query tiles from the one of the first query that sees key n0, none if no query does: then
+    // key block kb walks tile i iff kb <= last(i) below (dkdv's test, q_begin < n_q, also walks a
+    // last tile that no row of sees, which here would wait for a turn that never comes).
+    const int q_first = max(n0 - off, 0), q_begin = (q_first / BQ) * BQ;
+    const int n_tiles = q_first < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+    if (n_tiles > 0) {
+        tile_async<kTcRows, D>(ks, k, (int)kv_st, n0, n_k);
+        tile_async<BQ, D>(qs, q, ld_q, q_begin, n_q);
+        tile_async<BQ, D>(gs, grad, ld_o, q_begin, n_q);
+        vec_async<BQ>(Ls[0], lse, q_begin, n_q);
+        vec_async<BQ>(Ds[0], delta, q_begin, n_q);
+        cp_async_commit();
+    }
+    u32 va[D / 16][4];  // K is read from its shared tile (for Sᵀ too: registers are short at D = 128)
+    frag_load_a<T, D>(va, v, (int)kv_st, key0, n_k);
+    float dk_acc[D / 8][4], dv_acc[D / 8][4], dqt[D / 64][BQ / 8][4];
+    zero_acc(dk_acc);
+    zero_acc(dv_acc);
+#pragma unroll
+    for (int mb = 0; mb < D / 64; ++mb) zero_acc(dqt[mb]);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int q0 = q_begin + it * BQ, buf = it & 1;
+        const u32 qb = qs + buf * Tile::BYTES, gb = gs + buf * Tile::BYTES;
+        tiles_landed();  // tile it has landed for everyone, and everyone is done with tile it - 1
+        if (it + 1 < n_tiles) {
+            tile_async<BQ, D>(qs + (buf ^ 1) * Tile::BYTES, q, ld_q, q0 + BQ, n_q);
+            tile_async<BQ, D>(gs + (buf ^ 1) * Tile::BYTES, grad, ld_o, q0 + BQ, n_q);
+            vec_async<BQ>(Ls[buf ^ 1], lse, q0 + BQ, n_q);
+            vec_async<BQ>(Ds[buf ^ 1], delta, q0 + BQ, n_q);
+            cp_async_commit();
+        }
+        // As attention_bwd_dkdv_tc: Sᵀ and dPᵀ issued together, P formed while dPᵀ runs, dSᵀ while dV does.
+        const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
+        float p[BQ / 8][4], ds[BQ / 8][4];
+        zero_acc(p);
+        zero_acc(ds);
+        fence_regs(ds);
+        wg_issue_ss<T, BQ, D, KTile, Tile, 0, 0>(p, ks, qb, 1);
+        wg_issue<T, BQ, D, BQ, D, 0>(ds, va, gb);
+        wg_wait<1>();
+        fence_regs(p);
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+            const float2 lq = *reinterpret_cast<const float2*>(&Ls[buf][j * 8 + 2 * c]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = j * 8 + 2 * c + (e & 1), query = q0 + col;
+                const int key = e < 2 ? key_lo : key_hi;
+                const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
+                p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
+            }
+        }
+        u32 pa[BQ / 16][4];
+        c_to_a<T, BQ>(pa, p);
+        wg_wait<0>();
+        fence_regs(ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+            const float2 dl = *reinterpret_cast<const float2*>(&Ds[buf][j * 8 + 2 * c]);
+            ds[j][0] = p[j][0] * (ds[j][0] - dl.x);
+            ds[j][1] = p[j][1] * (ds[j][1] - dl.y);
+            ds[j][2] = p[j][2] * (ds[j][2] - dl.x);
+            ds[j][3] = p[j][3] * (ds[j][3] - dl.y);
+        }
+        u32 da[BQ / 16][4];
+        c_to_a<T, BQ>(da, ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);
+        // dS (rounded to T, as dK's product takes it) into shared memory for dQᵀ = Kᵀ·dSᵀ; the last
+        // tile's dQᵀ product was waited for, so the buffer is free.
+        ds_store_t<BQ>(ss, da, warp * 16);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+#pragma unroll
+        for (int mb = 0; mb < D / 64; ++mb)  // rows 64 mb.. of dQᵀ: K's column block mb
+            wg_issue_ss<T, BQ, kTcRows, KTile, STile, 1, 0>(dqt[mb], ks + mb * kTcRows * KTile::SW, ss, 0);
+        // Our turn at query tile q0 / BQ, waited for while the products run.
+        const int tile = q0 / BQ, last = min(n_kb - 1, (min(q0 + BQ, n_q) - 1 + off) / kTcRows);
+        if (threadIdx.x == 0 && kb > 0)
+            while (ld_acquire(sem + tile) != kb) {
+            }
+        __syncwarp();  // warp 0 whole again before the warpgroup-wide (.aligned) wait
+        wg_wait<0>();
+        fence_regs(dv_acc);
+        fence_regs(dk_acc);
+#pragma unroll
+        for (int mb = 0; mb < D / 64; ++mb) fence_regs(dqt[mb]);
+        __syncthreads();  // the turn is this block's: key blocks 0..kb-1 have added theirs
+        // dqt[mb][j][e]: d = 64 mb + 16 warp + g (+ 8 for e >= 2), query q0 + 8 j + 2 c (+ 1 for odd e).
+#pragma unroll
+        for (int mb = 0; mb < D / 64; ++mb)
+#pragma unroll
+            for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int d = mb * 64 + warp * 16 + g + (e & 2) * 4, query = q0 + j * 8 + 2 * c + (e & 1);
+                    if (query < n_q) {  // the first stores, the middle ones add (RED), the last reads and writes dq
+                        float* a = dq_acc + ((long long)query * D + d);
+                        const float x = dqt[mb][j][e];
+                        if (kb == last)
+                            dq[(long long)query * dq_st + d] = from_float<T>((kb > 0 ? __ldcg(a) + x : x) * scale);
+                        else if (kb == 0)
+                            __stcg(a, x);
+                        else
+                            atomicAdd(a, x);  // in turn: the order of the additions is fixed
+                    }
+                }
+        if (kb < last) {
+            __threadfence();  // this thread's part of the sum visible on the GPU before the turn passes
+            __syncthreads();
+            if (threadIdx.x == 0) st_release(sem + tile, kb + 1);
+            __syncwarp();
+        }
+    }
+    frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
+    frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
 }
 
 // ---- Forward with flash-attention 3's structure (Shah et al. 2024): TMA, mbarriers, warp specialisation
