@@ -1,6 +1,6 @@
 """kiln's attention kernels against PyTorch SDPA on the same GPU, in one process, at the paper's shapes.
 
-    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--fwd wgmma,tma] [--out FILE]
+    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--fwd wgmma,tma] [--bwd split,fused] [--out FILE]
 
 Causal attention, forward and forward+backward, per B x H x T x D (Appendix B.1-B.2: B x H x D
 from 1x12x64 to 16x12x64, 8x16x64, 4x32x128; T from 512 to 16384, 16384 tokens a batch on the
@@ -8,8 +8,9 @@ from 1x12x64 to 16x12x64, 8x16x64, 4x32x128; T from 512 to 16384, 16384 tokens a
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
 choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
 (KILN_ATTENTION_FWD: wgmma, the default, or tma, flash-attention 3's structure) against the same
-SDPA timing. FLOPs count the causal half: forward 4 B H T^2 D / 2, backward 2.5x
-that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).
+SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, or fused);
+rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
+half: forward 4 B H T^2 D / 2, backward 2.5x that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SHAPES = [  # (B, H, T, D)
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
 
 
-def bench_shape(k, shape, dtype, iters, fwd_kernels):
+def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
     import torch
     import torch.nn.functional as F
     b, h, t, d = shape
@@ -51,29 +52,43 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels):
     td = {BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}.get(np.dtype(dtype), torch.float32)
     tq, tk, tv = (torch.randn(shape, device="cuda", dtype=td, requires_grad=True) for _ in range(3))
     tg = torch.randn(shape, device="cuda", dtype=td)
+    out, lse = k.attention_fwd(q, kk, v, scale)
 
     def kiln_fwd_bwd():
-        out, lse = k.attention_fwd(q, kk, v, scale)
-        return k.attention_bwd(g, q, kk, v, out, lse, scale)
+        o, s = k.attention_fwd(q, kk, v, scale)
+        return k.attention_bwd(g, q, kk, v, o, s, scale)
 
     def torch_fwd_bwd():
         F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).backward(tg)
 
+    def torch_fwd():
+        F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(), is_causal=True)
+
     rows = []
-    for op, kfn, tfn, flops in (
-            ("fwd", lambda: k.attention_fwd(q, kk, v, scale),
-             lambda: F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(), is_causal=True), flops_fwd),
-            ("fwd+bwd", kiln_fwd_bwd, torch_fwd_bwd, 3.5 * flops_fwd)):
-        tms = median_ms(tfn, iters, "torch")
-        for fwd_kernel in fwd_kernels:
-            os.environ["KILN_ATTENTION_FWD"] = fwd_kernel
+    t_fwd = median_ms(torch_fwd, iters, "torch")
+    t_fwd_bwd = median_ms(torch_fwd_bwd, iters, "torch")
+    # bwd: kiln's backward alone (from one forward's out and lse) against SDPA's fwd+bwd minus its fwd
+    for op, kfn, tms, flops, kernels in (
+            ("fwd", lambda: k.attention_fwd(q, kk, v, scale), t_fwd, flops_fwd,
+             [(f, None) for f in fwd_kernels]),
+            ("bwd", lambda: k.attention_bwd(g, q, kk, v, out, lse, scale), t_fwd_bwd - t_fwd, 2.5 * flops_fwd,
+             [(None, b_) for b_ in bwd_kernels]),
+            ("fwd+bwd", kiln_fwd_bwd, t_fwd_bwd, 3.5 * flops_fwd,
+             [(f, b_) for f in fwd_kernels for b_ in bwd_kernels])):
+        for fwd_kernel, bwd_kernel in kernels:
+            if fwd_kernel:
+                os.environ["KILN_ATTENTION_FWD"] = fwd_kernel
+            if bwd_kernel:
+                os.environ["KILN_ATTENTION_BWD"] = bwd_kernel
             kms = median_ms(kfn, iters, "kiln")
             row = {"op": op, "dtype": np.dtype(dtype).name, "shape": list(shape), "fwd_kernel": fwd_kernel,
-                   "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
+                   "bwd_kernel": bwd_kernel, "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
                    "torch_tflops": flops / tms / 1e9, "ratio": tms / kms}
-            print(f"{'x'.join(map(str, shape)):18s} {op:8s} {row['dtype']:9s} {fwd_kernel:6s} {kms:9.3f} {tms:9.3f} "
-                  f"{row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} {row['ratio']:6.2f}x", flush=True)
+            print(f"{'x'.join(map(str, shape)):18s} {op:8s} {row['dtype']:9s} {fwd_kernel or '-':12s} "
+                  f"{bwd_kernel or '-':6s} {kms:9.3f} {tms:9.3f} {row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} "
+                  f"{row['ratio']:6.2f}x", flush=True)
             rows.append(row)
+    os.environ.pop("KILN_ATTENTION_BWD", None)
     return rows
 
 
@@ -82,17 +97,18 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtypes", default="bf16", help="comma-separated: " + ",".join(DTYPES))
     p.add_argument("--fwd", default="wgmma", help="comma-separated bf16/fp16 forward kernels: wgmma,tma")
+    p.add_argument("--bwd", default="split", help="comma-separated bf16/fp16 backwards: split,fused")
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
     args = p.parse_args(argv)
     k, torch = kiln_and_torch()
     if k is None:
         return 2
-    print(f"{'B x H x T x D':18s} {'op':8s} {'dtype':9s} {'fwd':6s} {'kiln ms':>9s} {'sdpa ms':>9s} {'kiln':>8s} {'sdpa':>8s} "
+    print(f"{'B x H x T x D':18s} {'op':8s} {'dtype':9s} {'fwd':12s} {'bwd':6s} {'kiln ms':>9s} {'sdpa ms':>9s} {'kiln':>8s} {'sdpa':>8s} "
           f"{'ratio':>7s}  (TFLOP/s; ratio = sdpa ms / kiln ms)")
     rows = []
     for name in args.dtypes.split(","):
         for shape in SHAPES:
-            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","))
+            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","), args.bwd.split(","))
     write_rows("attention", torch, args, rows)
     return 0
 

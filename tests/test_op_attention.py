@@ -55,6 +55,22 @@ def test_causal_self_attention_on_packed_qkv_matches_pytorch_and_finite_differen
 
 # --- attention ----------------------------------------------------------------------------
 
+
+@pytest.fixture(params=["split", "fused"])
+def bwd(request, monkeypatch):
+    """The backward tests run with both bf16/fp16 backwards (KILN_ATTENTION_BWD): the dK/dV and dQ
+    kernels, and the fused kernel that adds dQ in a fixed order."""
+    monkeypatch.setenv("KILN_ATTENTION_BWD", request.param)
+    return request.param
+
+
+def _fused_runs(bwd, dtype, d):
+    """Skips the fused case where the launcher runs the split kernels anyway (float32, head dims
+    other than 64 and 128): the same test twice."""
+    from kiln.backend.cuda.attention import FUSED_HEAD_DIMS
+    if bwd == "fused" and (np.dtype(dtype) == np.float32 or d not in FUSED_HEAD_DIMS):
+        pytest.skip("the fused backward is bf16/fp16 at head dims 64 and 128; this case runs the split kernels")
+
 ATT_SHAPES = [(1, 1, 3, 64), (2, 3, 65, 64), (1, 2, 200, 128), (1, 1, 33, 32), (2, 2, 100, 48),
               (4, 12, 256, 64),
               pytest.param((4, 12, 1024, 64), marks=pytest.mark.slow),
@@ -65,7 +81,8 @@ ATT_SHAPES = [(1, 1, 3, 64), (2, 3, 65, 64), (1, 2, 200, 128), (1, 1, 33, 32), (
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", ATT_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_attention(gpu, rng, shape, dtype):
+def test_attention(gpu, rng, bwd, shape, dtype):
+    _fused_runs(bwd, dtype, shape[-1])
     q, k, v, g = (rand(shape, dtype, rng) for _ in range(4))
     scale = 1.0 / math.sqrt(shape[-1])
     out, lse = gpu.attention_fwd(gpu.asarray(q), gpu.asarray(k), gpu.asarray(v), scale)
@@ -82,11 +99,12 @@ def test_attention(gpu, rng, shape, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(2, 3, 65, 64), (1, 2, 200, 128), (2, 4, 100, 32), (1, 2, 40, 48)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_attention_reads_and_writes_packed_views(gpu, rng, shape, dtype):
+def test_attention_reads_and_writes_packed_views(gpu, rng, bwd, shape, dtype):
     """q, k, v as views of one [B, T, 3, H, D] buffer (c_attn's output), dO as a view of [B, T, H, D]
     and dq, dk, dv written into views of one packed gradient give, bit for bit, what contiguous
     operands give (D = 48: the CPU fallback, copied into the views)."""
     b, h, t, d = shape
+    _fused_runs(bwd, dtype, d)
     xp = gpu.xp
     scale = 1.0 / math.sqrt(d)
     qkv = gpu.asarray(rand((b, t, 3, h, d), dtype, rng))
@@ -167,7 +185,8 @@ BLOCKS = [(64, 128, False, 0), (128, 64, False, 0), (100, 37, False, 0), (96, 16
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_attention_blocks_of_other_lengths_and_offsets(gpu, rng, block, d, dtype):
+def test_attention_blocks_of_other_lengths_and_offsets(gpu, rng, bwd, block, d, dtype):
+    _fused_runs(bwd, dtype, d)
     tq, tk, causal, offset = block
     q, g = (rand((2, 3, tq, d), dtype, rng) for _ in range(2))
     k, v = (rand((2, 3, tk, d), dtype, rng) for _ in range(2))
@@ -222,8 +241,10 @@ def test_context_parallel_blocks_on_the_gpu_equal_full_causal_attention(gpu, rng
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_attention_is_bitwise_repeatable(gpu, rng, dtype):
-    """Two runs of the forward and backward on the same inputs give the same bits (no atomics)."""
+def test_attention_is_bitwise_repeatable(gpu, rng, bwd, dtype):
+    """Two runs of the forward and backward on the same inputs give the same bits (no atomics; the
+    fused backward's dQ adds in a fixed order)."""
+    _fused_runs(bwd, dtype, 64)
     shape = (2, 4, 300, 64)
     q, k, v, g = (gpu.asarray(rand(shape, dtype, rng)) for _ in range(4))
     runs = []
@@ -232,6 +253,80 @@ def test_attention_is_bitwise_repeatable(gpu, rng, dtype):
         runs.append([gpu.to_numpy(a) for a in (out, lse, *gpu.attention_bwd(g, q, k, v, out, lse, 0.125))])
     for a, b_ in zip(*runs):
         assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(2, 4, 2048, 64), (1, 3, 2048, 128)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_bwd_fused_is_bitwise_repeatable_with_many_key_blocks_per_query_tile(gpu, rng, monkeypatch,
+                                                                                     shape, causal):
+    """T = 2048: up to 32 key blocks add into one query tile's dQ, each waiting for its turn; five
+    runs give the same bits (an order that varied would show in dq's low bits)."""
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")
+    q, k, v, g = (gpu.asarray(rand(shape, ml_dtypes.bfloat16, rng)) for _ in range(4))
+    scale = 1.0 / math.sqrt(shape[-1])
+    out, lse = gpu.attention_fwd(q, k, v, scale, causal=causal)
+    runs = [[gpu.to_numpy(a) for a in gpu.attention_bwd(g, q, k, v, out, lse, scale, causal=causal)] for _ in range(5)]
+    for other in runs[1:]:
+        for a, b_ in zip(runs[0], other):
+            assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
+
+
+# the paper's shapes (more jobs than an H200 holds at once: the ticket order, not the launch order,
+# keeps the waits finite) and context parallelism's blocks of other lengths and offsets
+FUSED_SHAPES = [((16, 12, 1024, 1024, 64), True, 0), ((4, 16, 2048, 2048, 128), True, 0),
+                ((2, 3, 200, 65, 64), True, 3), ((2, 3, 65, 200, 128), True, 135), ((2, 3, 100, 37, 64), False, 0),
+                ((2, 3, 256, 512, 64), True, 0), ((2, 3, 96, 160, 128), True, 64)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
+def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype):
+    """The fused backward against the split kernels on the same inputs, within the dtype's tolerance
+    and elementwise within a few ulps (a query tile that missed a key block's contribution is off by
+    far more; one never written stays NaN: dq, dk, dv are written into NaN-filled destinations)."""
+    b, h, tq, tk, d = shape
+    xp = gpu.xp
+    q, g = (gpu.asarray(rand((b, h, tq, d), dtype, rng)) for _ in range(2))
+    k, v = (gpu.asarray(rand((b, h, tk, d), dtype, rng)) for _ in range(2))
+    scale = 1.0 / math.sqrt(d)
+    out, lse = gpu.attention_fwd(q, k, v, scale, causal=causal, offset=offset)
+    grads = {}
+    for variant in ("split", "fused"):
+        monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
+        into = tuple(xp.full(a.shape, xp.nan, dtype=a.dtype) for a in (q, k, v))
+        grads[variant] = [gpu.to_numpy(a).astype(np.float64) for a in
+                          gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
+    eps = float(np.finfo(dtype).eps)  # both round the same fp32 sums (up to order) to dtype: a few ulps apart
+    for got, ref in zip(grads["fused"], grads["split"]):
+        close(gpu, got, ref, dtype)
+        bound = 4 * eps * (np.abs(ref) + 0.05 * np.abs(ref).max())
+        assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"
+
+
+def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
+    from kiln.backend.cuda.attention import bwd_variant
+    from kiln.errors import ConfigError
+    monkeypatch.delenv("KILN_ATTENTION_BWD", raising=False)
+    assert bwd_variant() == "split"
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")
+    assert bwd_variant() == "fused"
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fa3")
+    with pytest.raises(ConfigError, match="one of split, fused, got 'fa3'"):
+        bwd_variant()
+
+
+def test_attention_bwd_fused_sizes():
+    """The fused kernel's dynamic shared memory (Q and dO twice, K, dS and the alignment) fits a block,
+    its semaphores are one per (b·h, query tile) plus the ticket counter, and the delta kernel's rows per
+    block follow from 16-byte loads."""
+    from kiln.backend.cuda.attention import delta_rows_per_block, fused_semaphores, fused_shared_bytes
+    assert fused_shared_bytes(64) == 4 * 8192 + 8192 + 8192 + 1024 == 50176
+    assert fused_shared_bytes(128) == 4 * 4096 + 16384 + 2048 + 1024 == 35840
+    assert fused_semaphores(192, 1024, 64) == 192 * 16 + 1 and fused_semaphores(4, 100, 128) == 4 * 7 + 1
+    assert [delta_rows_per_block(d, 2) for d in (32, 64, 128)] == [64, 32, 16]
+    assert [delta_rows_per_block(d, 4) for d in (32, 64, 128)] == [32, 16, 8]
 
 
 def test_attention_rejects_a_negative_causal_offset_and_mismatched_blocks():
