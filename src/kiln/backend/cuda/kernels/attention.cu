@@ -1304,6 +1304,10 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void st_release(int* p, int v) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// *p += x at L2, no value returned (fire and forget: the thread does not wait for it until a fence).
+__device__ __forceinline__ void red_add(float* p, float x) {
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
+}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
@@ -1447,7 +1451,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
                         else if (kb == 0)
                             __stcg(a, x);
                         else
-                            atomicAdd(a, x);  // in turn: the order of the additions is fixed
+                            red_add(a, x);  // in turn: the order of the additions is fixed
                     }
                 }
         if (kb < last) {
