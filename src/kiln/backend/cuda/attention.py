@@ -268,7 +268,8 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     (dk, dv), dkvs = _destinations(None if into is None else into[1:], k, 2)
     delta = cp.empty((b, h, n_q), dtype=cp.float32)
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
-        (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,), (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
+        (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,),
+        (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
     common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, os_))
     if tc and d in FUSED_HEAD_DIMS and bwd_variant() == "fused":
         # dQ in fp32 (key block 0 stores, later ones add in order, the last writes dq), the semaphores
