@@ -7,7 +7,7 @@ then the suite's test ids are dealt round-robin into `--shards` pytest processes
 one GPU, each reading the cache. A shard's log is `<logs>/pytest-cuda-<i>.log` (with its 20 slowest tests);
 the summary line of every shard and the failures of all of them are printed at the end.
 
-    PYTHONPATH=src python3 benchmarks/cuda_suite.py --shards 4 --logs /tmp/logs [pytest -m expression]
+    PYTHONPATH=src python3 benchmarks/cuda_suite.py --shards 4 --logs /tmp/logs [-k expression] [pytest -m expression]
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def prebuild(arch: str, workers: int) -> None:
     print(f"kernel cache: {len(FAMILIES)} families in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def collect(marker: str, paths: list[str]) -> list[str]:
-    """The node ids pytest selects with `-m marker` under `paths`."""
+def collect(marker: str, paths: list[str], keyword: str = "") -> list[str]:
+    """The node ids pytest selects with `-m marker` (and `-k keyword`, if given) under `paths`."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "-m", marker, *paths], capture_output=True, text=True)
+                          "-m", marker, *(["-k", keyword] if keyword else []), *paths], capture_output=True, text=True)
     ids = [line for line in out.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if not ids:
         raise SystemExit(f"no tests collected for -m {marker!r}:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("marker", nargs="?", default="cuda and not slow")
     ap.add_argument("--paths", nargs="*", default=["tests"])
+    ap.add_argument("-k", dest="keyword", default="",
+                    help="pytest -k expression, e.g. to leave out a kernel that has never run (its part tries it alone)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--logs", type=Path, required=True)
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     from kiln.backend.cuda.device import arch
     prebuild(arch(), args.compile_workers)
-    ids = collect(args.marker, args.paths)
+    ids = collect(args.marker, args.paths, args.keyword)
     groups = deal(ids, args.shards)
     print(f"{len(ids)} tests in {len(groups)} shards of {[len(g) for g in groups]}", flush=True)
     threads = str(max(1, (os.cpu_count() or 1) // args.shards))

@@ -4,7 +4,8 @@
 #
 #   OUT=/tmp/out bash benchmarks/device_check.sh tests gpt2 ddp tp cp tptrace precision profile launch
 #
-# Parts: tests (pytest -m "cuda and not slow" through benchmarks/cuda_suite.py: every kernel family compiled at once
+# Parts: tests (SUITE_K=expr: a pytest -k expression, e.g. 'not tma and not fused' to leave out kernels that have
+# never run, whose own parts try them alone; pytest -m "cuda and not slow" through benchmarks/cuda_suite.py: every kernel family compiled at once
 # into the kernel cache, then the tests in 4 shards side by side on the GPU, a log each; the serial suite took ~550 s),
 # gpt2 (gpt2_step bf16: kiln vs eager vs compile), branch-cast (issue 14: the add+LayerNorm backward writing the bf16
 # branch gradient against the old separate cast, one call, ~100 s), strict (gpt2_step tf32 and fp32: kiln, eager,
@@ -56,7 +57,7 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND with a time limit, its out
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOGS/summary.txt"
 for p in "$@"; do
     case $p in
-        tests) part pytest-cuda 580 python3 benchmarks/cuda_suite.py --shards 4 --logs "$LOGS" ;;
+        tests) part pytest-cuda 580 python3 benchmarks/cuda_suite.py --shards 4 --logs "$LOGS" ${SUITE_K:+-k "$SUITE_K"} ;;
         gpt2) part gpt2_step 190 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 ;;
         bf16res) part ln-tests 150 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
                      tests/test_op_layer_norm.py tests/test_precision.py tests/test_cuda_model.py
