@@ -343,6 +343,73 @@ def test_timing_writes_into_scratch_when_accumulating_or_when_an_output_overlaps
     assert cublaslt.needs_scratch(False, aux_on_bias)
 
 
+class FakeDevice:
+    """The CuPy calls _time_candidates makes, over a clock that each launch advances by its algorithm's time."""
+
+    def __init__(self, durations, monkeypatch):
+        self.now, self.durations, self.syncs, self.copies, self.allocs = 0.0, durations, 0, [], []
+        dev = self
+
+        class Event:
+            def record(self, stream):
+                self.t = dev.now
+        self.cuda = SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: b.t - a.t, runtime=SimpleNamespace(
+            memcpyDeviceToDevice=3, memcpyAsync=lambda dst, src, size, kind, stream: dev.copies.append((dst, src, size))))
+        stream = SimpleNamespace(ptr=5, synchronize=lambda: setattr(dev, "syncs", dev.syncs + 1))
+        monkeypatch.setattr(cublaslt, "rt", SimpleNamespace(cupy=lambda: dev, stream=lambda: stream))
+
+    def empty(self, shape, dtype):
+        block = SimpleNamespace(data=SimpleNamespace(ptr=(9 + len(self.allocs)) << 28), nbytes=shape[0])
+        self.allocs.append(block)
+        return block
+
+
+def fake_plan(accumulate, durations, launches, pointers):
+    """A plan whose launch of candidate i takes durations[i][call] ms (None: cuBLASLt refuses it)."""
+    calls = {i: 0 for i in durations}
+
+    def launch_status(algo_, a_ptr, b_ptr, c_ptr):
+        i = algo_[0]
+        t = durations[i][min(calls[i], len(durations[i]) - 1)]
+        calls[i] += 1
+        launches.append((i, c_ptr))
+        if t is None:
+            return 15
+        cublaslt.rt.cupy().now += t
+        return 0
+    return SimpleNamespace(candidates=[SimpleNamespace(algo=algo(i)) for i in durations], accumulate=accumulate,
+                           launch_status=launch_status, set_pointer=lambda attr, ptr: pointers.append((attr, ptr)))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_candidates_are_timed_in_rounds_by_the_median_of_their_launches(monkeypatch, accumulate):
+    monkeypatch.setattr(cublaslt, "_tune_stats", dict.fromkeys(cublaslt._tune_stats, 0))
+    dev = FakeDevice(None, monkeypatch)
+    launches, pointers = [], []
+    warm = [9.0] * tune.WARMUP  # slow warm-up launches: not counted
+    durations = {0: warm + [1.0] * tune.TIMED, 1: warm + [0.5] * (tune.TIMED - 1) + [50.0],  # one outlier
+                 2: [None], 3: warm + [0.7, 0.2] + [0.7] * tune.TIMED}
+    plan = fake_plan(accumulate, durations, launches, pointers)
+    c_span = (1 << 24, (1 << 24) + 4096)
+    ops = cublaslt.Operands(1 << 20, 1 << 22, 1 << 24, c_span, (1 << 20, (1 << 20) + 64), (1 << 22, (1 << 22) + 64),
+                            aux_ptr=1 << 26, aux_span=(1 << 26, (1 << 26) + 2048))
+    times = cublaslt._time_candidates(plan, ops)
+    assert times == [pytest.approx(1.0), pytest.approx(0.5), float("inf"), pytest.approx(0.7)]
+    assert dev.syncs == 1
+    assert [i for i, _ in launches] == [0, 1, 2, 3] + [0, 1, 3] * (tune.WARMUP - 1 + tune.TIMED)  # rounds
+    if accumulate:  # every launch into a copy of C (and aux into scratch, its pointer put back after)
+        d, aux = dev.allocs
+        assert d.nbytes == 4096 and aux.nbytes == 2048
+        assert dev.copies == [(d.data.ptr, 1 << 24, 4096)]
+        assert {c for _, c in launches} == {d.data.ptr}
+        aux_attr = cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER
+        assert pointers == [(aux_attr, aux.data.ptr), (aux_attr, 1 << 26)]
+        assert cublaslt.autotune_stats()["scratch_bytes_peak"] == 4096 + 2048
+    else:  # beta = 0: into D itself, rewritten by the chosen algorithm afterwards
+        assert dev.allocs == [] and dev.copies == [] and pointers == []
+        assert {c for _, c in launches} == {1 << 24}
+
+
 # ---------------------------------------------------------------- on a GPU
 
 def gpu(test):

@@ -445,10 +445,13 @@ def select(plan: _Plan, key, ops: Operands):
 
 
 def _time_candidates(plan: _Plan, ops: Operands) -> list:
-    """Median milliseconds of TIMED launches of each candidate (after WARMUP), by CUDA events on kiln's stream
-    (inf for one cuBLASLt refuses). Every launch is queued before the one synchronisation, so the device runs
-    them back to back and an interval between two events is one launch, not the host's pace. The median,
-    not the minimum: a shared GPU (test shards, another rank) puts other work into some intervals."""
+    """Median milliseconds of one launch of each candidate (inf for one cuBLASLt refuses), by CUDA events on
+    kiln's stream: WARMUP rounds, then TIMED rounds, each launching every candidate once, in turn, with an
+    event after each launch, all queued before the one synchronisation. So the device runs the launches back
+    to back (an interval between two events is one launch, not the host's pace), and every candidate meets
+    the same clocks and the same warm caches (rounds, not one candidate after another: the heuristic's
+    pick, first in the list, would otherwise run while the clocks still ramp up). The median, not the
+    minimum: on a shared GPU (test shards, another rank) other work falls into some intervals."""
     cp = rt.cupy()
     s = rt.stream()
     c_ptr, aux_ptr, scratch = ops.c_ptr, ops.aux_ptr, []
@@ -465,28 +468,31 @@ def _time_candidates(plan: _Plan, ops: Operands) -> list:
             aux_ptr = scratch[-1].data.ptr
             plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux_ptr)
     _tune_stats["scratch_bytes_peak"] = max(_tune_stats["scratch_bytes_peak"], sum(x.nbytes for x in scratch))
-    timed = []
+    n = len(plan.candidates)
+    ok = [True] * n
+    intervals: list = [[] for _ in range(n)]  # (event before, event after) of each timed launch
     try:
-        for cand in plan.candidates:
-            events = None
-            for i in range(tune.WARMUP + tune.TIMED):
-                if i == tune.WARMUP:
-                    events = [cp.cuda.Event()]
-                    events[0].record(s)
-                if plan.launch_status(cand.algo, ops.a_ptr, ops.b_ptr, c_ptr) != 0:
-                    events = None
-                    break
-                if events is not None:
-                    events.append(cp.cuda.Event())
-                    events[-1].record(s)
-            timed.append(events)
+        for _ in range(tune.WARMUP):
+            for j, cand in enumerate(plan.candidates):
+                if ok[j]:
+                    ok[j] = plan.launch_status(cand.algo, ops.a_ptr, ops.b_ptr, c_ptr) == 0
+        last = cp.cuda.Event()
+        last.record(s)
+        for _ in range(tune.TIMED):
+            for j, cand in enumerate(plan.candidates):
+                if ok[j]:
+                    ok[j] = plan.launch_status(cand.algo, ops.a_ptr, ops.b_ptr, c_ptr) == 0
+                    after = cp.cuda.Event()
+                    after.record(s)
+                    intervals[j].append((last, after))
+                    last = after
         s.synchronize()
     finally:
         if ops.aux_ptr is not None and aux_ptr != ops.aux_ptr:
             plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ops.aux_ptr)
-        del scratch  # back to kiln's allocator, after the synchronisation above
-    return [float(np.median([cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in zip(ev, ev[1:])]))
-            if ev else float("inf") for ev in timed]
+        del scratch  # back to kiln's allocator: the device is done with it (synchronised above)
+    return [float(np.median([cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in intervals[j]])) if ok[j]
+            else float("inf") for j in range(n)]
 
 
 def prepare(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
