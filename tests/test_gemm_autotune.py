@@ -90,6 +90,7 @@ def fake(monkeypatch, tmp_path):
                             timed=[], capturing=False, device_id=0, tmp=tmp_path)
     monkeypatch.setenv("KILN_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv(tune.ENV, raising=False)
+    monkeypatch.setattr(tune, "MIN_FLOP", 2 * 64 * 32 * 16)  # run_gemm's default shape is just tuned
     stream = SimpleNamespace(ptr=5, is_capturing=lambda: state.capturing)
     monkeypatch.setattr(cublaslt, "rt", SimpleNamespace(
         device_id=lambda: state.device_id, device_name=lambda: "Fake GPU 9000", ptr=lambda a: a.ptr,
@@ -143,9 +144,10 @@ def test_the_fastest_candidate_wins_by_more_than_the_margin():
 
 def test_the_switch_takes_one_and_zero_only(monkeypatch):
     monkeypatch.delenv(tune.ENV, raising=False)
-    assert tune.enabled() and tune.candidate_count() == tune.CANDIDATES
+    assert tune.enabled() and tune.candidate_count(tune.MIN_FLOP) == tune.CANDIDATES
+    assert tune.candidate_count(tune.MIN_FLOP - 1) == 1
     monkeypatch.setenv(tune.ENV, "0")
-    assert not tune.enabled() and tune.candidate_count() == 1
+    assert not tune.enabled() and tune.candidate_count(1 << 40) == 1
     monkeypatch.setenv(tune.ENV, "yes")
     with pytest.raises(ConfigError, match="KILN_GEMM_AUTOTUNE='yes'"):
         tune.enabled()
@@ -205,6 +207,13 @@ def test_tuning_off_asks_for_one_algorithm_times_nothing_and_writes_nothing(fake
     assert run_gemm() == algo(0)
     assert fake.lib.requested == [1] and fake.timed == []
     assert not list(fake.tmp.glob("gemm-algos-*.json"))
+
+
+def test_a_gemm_below_the_size_worth_tuning_keeps_the_heuristics_pick_untimed_and_unwritten(fake):
+    assert run_gemm(k=8) == algo(0)
+    assert fake.lib.requested == [1] and fake.timed == []
+    assert not list(fake.tmp.glob("gemm-algos-*.json"))
+    assert run_gemm(k=16) == algo(1) and fake.lib.requested == [1, tune.CANDIDATES]
 
 
 def test_a_single_candidate_is_kept_without_timing(fake):
@@ -418,10 +427,11 @@ def gpu(test):
 
 @pytest.fixture
 def fresh_gpu(monkeypatch, tmp_path):
-    """The CUDA backend with no GEMM plan made yet in this process and the algorithm file in tmp_path
-    (the kernel cache stays where it is: compiler.cache_dir is asked for the folder at each call)."""
+    """The CUDA backend with no GEMM plan made yet in this process, the algorithm file in tmp_path (the kernel
+    cache stays where it is), every GEMM tuned however small."""
     monkeypatch.delenv(tune.ENV, raising=False)
     monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(tune, "MIN_FLOP", 0)  # the small GEMMs below are tuned too
     fresh_process(monkeypatch)
     return kiln.backend.get_backend("cuda")
 

@@ -523,7 +523,7 @@ def prepare(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=N
     if plan is None:
         plan = _plans[key] = _Plan(key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides,
                                    epilogue, aligns, aux_ld, vec_aligns, out.dtype, accumulate,
-                                   tune.candidate_count())
+                                   tune.candidate_count(2 * m * n * k * batch))
     if epilogue != "default":
         if bias is None:
             raise ConfigError(f"GEMM epilogue {epilogue!r} needs a bias buffer")

@@ -3,8 +3,8 @@ shape per machine, and the JSON file beside the kernel cache that keeps that cho
 
 cuBLASLt's heuristic (`cublasLtMatmulAlgoGetHeuristic`) ranks algorithms by a model, not by measurement; in
 the GPT-2 124M bf16 step its first pick is often not the fastest (the weight-gradient GEMMs with K = 16384
-get split-K kernels plus a splitKreduce kernel). With KILN_GEMM_AUTOTUNE=1 (the default) a plan asks for
-up to CANDIDATES algorithms, and the first time it runs outside a CUDA graph capture cublaslt.py times
+get split-K kernels plus a splitKreduce kernel). With KILN_GEMM_AUTOTUNE=1 (the default) a plan of at least
+MIN_FLOP operations asks for up to CANDIDATES algorithms, and the first time it runs outside a CUDA graph capture cublaslt.py times
 each on the device (TIMED launches after WARMUP, the median of the per-launch times) and keeps the
 fastest; the choice goes into a file per machine (the device's name and the cuBLASLt version in its name
 and contents), keyed by the plan's key, as the 64-byte `cublasLtMatmulAlgo_t` (8 uint64), and a later
@@ -43,6 +43,10 @@ TIMED = 10          # timed launches of each candidate; its time is their median
 # below it the two are within the noise of 10 launches (and a GEMM shorter than the host's ~10 us per
 # launch measures the host), so the heuristic's pick, the one kiln ran before tuning, stays.
 MARGIN = 0.02
+# GEMMs of fewer floating-point operations keep the heuristic's pick, untimed and unwritten: a few
+# microseconds each at most, where no choice moves a step, and tests' and small models' many shapes would
+# only fill the file and lengthen their first step.
+MIN_FLOP = 1 << 30
 FORMAT = 1          # the file's layout version
 
 
@@ -55,9 +59,10 @@ def enabled() -> bool:
     return value == "1"
 
 
-def candidate_count() -> int:
-    """How many algorithms a new plan asks the heuristic for: CANDIDATES when tuning, else its first."""
-    return CANDIDATES if enabled() else 1
+def candidate_count(flop: int) -> int:
+    """How many algorithms a new plan of `flop` operations asks the heuristic for: CANDIDATES when it is to be
+    tuned, else its first."""
+    return CANDIDATES if enabled() and flop >= MIN_FLOP else 1
 
 
 def choose(times_ms, margin: float = MARGIN) -> int:
