@@ -112,7 +112,7 @@ def fresh_process(monkeypatch):
     monkeypatch.setattr(cublaslt, "_plans", {})
     monkeypatch.setattr(cublaslt, "_algo_caches", {})
     monkeypatch.setattr(cublaslt, "_tune_stats", dict.fromkeys(cublaslt._tune_stats, 0))
-    monkeypatch.setattr(cublaslt, "_warned_capture", False)
+    monkeypatch.setattr(cublaslt, "_warned", set())
 
 
 def run_gemm(m=64, n=32, k=16, c_ptr=1 << 24, **kw):
@@ -214,6 +214,21 @@ def test_a_gemm_below_the_size_worth_tuning_keeps_the_heuristics_pick_untimed_an
     assert fake.lib.requested == [1] and fake.timed == []
     assert not list(fake.tmp.glob("gemm-algos-*.json"))
     assert run_gemm(k=16) == algo(1) and fake.lib.requested == [1, tune.CANDIDATES]
+
+
+def test_without_memory_for_the_scratch_the_heuristics_pick_runs_untimed_and_unwritten(fake, monkeypatch):
+    monkeypatch.setattr(cublaslt, "_time_candidates", lambda plan, ops: fake.timed.append(plan))
+    with pytest.warns(RuntimeWarning, match="no device memory") as caught:
+        assert run_gemm(accumulate=True) == algo(0)
+        assert run_gemm(n=48, accumulate=True) == algo(0)
+    assert len([w for w in caught if "no device memory" in str(w.message)]) == 1
+    assert len(fake.timed) == 2 and cublaslt.autotune_stats()["plans_untuned_no_memory"] == 2
+    assert not list(fake.tmp.glob("gemm-algos-*.json"))
+
+
+def test_a_numpy_integer_in_a_key_is_stored_as_its_number():
+    key = (0, "float32", 68, np.int64(64), 32, 16, False, True, 16, 16, 32, 1, (0, 0, 0), "default", (256,) * 3)
+    assert json.loads(tune.disk_key(key))[2:6] == [64, 32, 16, False]
 
 
 def test_a_single_candidate_is_kept_without_timing(fake):
@@ -368,6 +383,8 @@ class FakeDevice:
         monkeypatch.setattr(cublaslt, "rt", SimpleNamespace(cupy=lambda: dev, stream=lambda: stream))
 
     def empty(self, shape, dtype):
+        if self.durations == "full":
+            raise MemoryError("out of memory")
         block = SimpleNamespace(data=SimpleNamespace(ptr=(9 + len(self.allocs)) << 28), nbytes=shape[0])
         self.allocs.append(block)
         return block
@@ -419,6 +436,16 @@ def test_candidates_are_timed_in_rounds_by_the_median_of_their_launches(monkeypa
         assert {c for _, c in launches} == {1 << 24}
 
 
+def test_no_memory_for_the_scratch_means_no_timing(monkeypatch):
+    dev = FakeDevice("full", monkeypatch)
+    launches, pointers = [], []
+    plan = fake_plan(True, {0: [1.0], 1: [0.5]}, launches, pointers)
+    ops = cublaslt.Operands(1 << 20, 1 << 22, 1 << 24, (1 << 24, (1 << 24) + 4096), (1 << 20, (1 << 20) + 64),
+                            (1 << 22, (1 << 22) + 64))
+    assert cublaslt._time_candidates(plan, ops) is None
+    assert launches == [] and dev.copies == [] and dev.syncs == 0 and pointers == []
+
+
 # ---------------------------------------------------------------- on a GPU
 
 def gpu(test):
@@ -460,6 +487,8 @@ def test_every_candidate_a_tuning_may_keep_matches_numpy(fresh_gpu, monkeypatch,
     while count is None or i < count:
         monkeypatch.setattr(tune, "choose", lambda times, pick=i: min(pick, len(times) - 1))
         fresh_process(monkeypatch)
+        for f in tune.cache_dir().glob("gemm-algos-*"):  # else the last pass's choice is read, not tuned
+            f.unlink()
         da, db = backend.asarray(a), backend.asarray(b)
         if epilogue == "accumulate":
             out = backend.asarray(start)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.backend.cuda import device as rt, gemm_autotune as tune
+from kiln.backend.cuda import allocator, device as rt, gemm_autotune as tune
 from kiln.errors import ConfigError, KilnError
 
 # library_types.h: cudaDataType
@@ -380,16 +380,23 @@ def needs_scratch(accumulate: bool, ops: Operands) -> bool:
     return accumulate or any(w0 < r1 and r0 < w1 for w0, w1 in ops.written() for r0, r1 in ops.read)
 
 
-_tune_stats = {"plans_tuned": 0, "plans_from_cache": 0, "plans_untuned_in_capture": 0, "candidates_timed": 0,
-               "tuning_s": 0.0, "scratch_bytes_peak": 0}
-_warned_capture = False
+_tune_stats = {"plans_tuned": 0, "plans_from_cache": 0, "plans_untuned_in_capture": 0,
+               "plans_untuned_no_memory": 0, "candidates_timed": 0, "tuning_s": 0.0, "scratch_bytes_peak": 0}
+_warned: set = set()  # the warnings given in this process, once each
 _algo_caches: dict = {}
 
 
 def autotune_stats() -> dict:
     """What GEMM tuning did in this process: plans tuned (timed), taken from the file, first met inside a
-    capture (heuristic's pick); candidates timed; host seconds spent timing; the most scratch bytes held."""
+    capture or left without memory for their scratch (the heuristic's pick, both); candidates timed; host
+    seconds spent timing; the most scratch bytes held at once."""
     return dict(_tune_stats)
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _algo_cache() -> tune.AlgoCache:
@@ -404,8 +411,8 @@ def _algo_cache() -> tune.AlgoCache:
 def select(plan: _Plan, key, ops: Operands):
     """The algorithm `plan` runs from now on in this process (gemm_autotune.py says why it never changes):
     the heuristic's first when tuning is off; the file's, when cuBLASLt accepts it; inside a stream capture
-    (where nothing may be timed) the heuristic's first, said once; else the fastest candidate, timed now."""
-    global _warned_capture
+    (where nothing may be timed), or without the memory for a scratch copy, the heuristic's first, said once;
+    else the fastest candidate, timed now."""
     first = plan.candidates[0].algo
     if not plan.tune:
         return first
@@ -419,12 +426,10 @@ def select(plan: _Plan, key, ops: Operands):
         stale = entry["algo"]  # another cuBLASLt build or workspace: tune again, and overwrite it
     if rt.stream().is_capturing():
         _tune_stats["plans_untuned_in_capture"] += 1
-        if not _warned_capture:
-            _warned_capture = True
-            warnings.warn(f"kiln: a GEMM ({plan.what}) first ran inside a CUDA graph capture, where kiln cannot time "
-                          "cuBLASLt's algorithms: it runs the heuristic's pick for this whole process (as may other "
-                          "shapes met first in a capture; run one step eagerly before capturing, as the Trainer "
-                          "does, to tune them)", RuntimeWarning, stacklevel=3)
+        _warn_once("capture", f"kiln: a GEMM ({plan.what}) first ran inside a CUDA graph capture, where kiln cannot "
+                   "time cuBLASLt's algorithms: it runs the heuristic's pick for this whole process (as may other "
+                   "shapes met first in a capture; run one step eagerly before capturing, as the Trainer does, to "
+                   "tune them)")
         return first
     if len(plan.candidates) == 1:
         times, index = [float("nan")], 0
@@ -432,6 +437,12 @@ def select(plan: _Plan, key, ops: Operands):
         t0 = time.perf_counter()
         times = _time_candidates(plan, ops)
         _tune_stats["tuning_s"] += time.perf_counter() - t0
+        if times is None:
+            _tune_stats["plans_untuned_no_memory"] += 1
+            _warn_once("memory", f"kiln: no device memory for the scratch copy of C that timing a GEMM ({plan.what}) "
+                       "needs: it runs the heuristic's pick for this whole process (as may other such GEMMs), untimed "
+                       "and not written to the algorithm file")
+            return first
         _tune_stats["candidates_timed"] += len(times)
         index = tune.choose(times)
     _tune_stats["plans_tuned"] += 1
@@ -444,8 +455,9 @@ def select(plan: _Plan, key, ops: Operands):
     return pick
 
 
-def _time_candidates(plan: _Plan, ops: Operands) -> list:
-    """Median milliseconds of one launch of each candidate (inf for one cuBLASLt refuses), by CUDA events on
+def _time_candidates(plan: _Plan, ops: Operands) -> list | None:
+    """Median milliseconds of one launch of each candidate (inf for one cuBLASLt refuses; None, with nothing
+    launched, when the device has no memory for the scratch copies), by CUDA events on
     kiln's stream: WARMUP rounds, then TIMED rounds, each launching every candidate once, in turn, with an
     event after each launch, all queued before the one synchronisation. So the device runs the launches back
     to back (an interval between two events is one launch, not the host's pace), and every candidate meets
@@ -457,15 +469,16 @@ def _time_candidates(plan: _Plan, ops: Operands) -> list:
     c_ptr, aux_ptr, scratch = ops.c_ptr, ops.aux_ptr, []
     if needs_scratch(plan.accumulate, ops):
         c0, c1 = ops.c_span
-        d = cp.empty((c1 - c0,), dtype=np.uint8)  # kiln's allocator: 256-aligned or better, as D needs
-        scratch.append(d)
+        try:  # kiln's allocator: 256-aligned or better, as D needs
+            scratch = [cp.empty((end - start,), dtype=np.uint8) for start, end in ops.written()]
+        except (MemoryError, allocator.OutOfMemoryError):  # CuPy's OutOfMemoryError is a MemoryError
+            return None
         if plan.accumulate:  # D = C + A B: the candidates add into a copy of C, never into C itself
-            cp.cuda.runtime.memcpyAsync(d.data.ptr, c0, c1 - c0, cp.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-        c_ptr = d.data.ptr
+            cp.cuda.runtime.memcpyAsync(scratch[0].data.ptr, c0, c1 - c0, cp.cuda.runtime.memcpyDeviceToDevice,
+                                        s.ptr)
+        c_ptr = scratch[0].data.ptr
         if ops.aux_span is not None:
-            x0, x1 = ops.aux_span
-            scratch.append(cp.empty((x1 - x0,), dtype=np.uint8))
-            aux_ptr = scratch[-1].data.ptr
+            aux_ptr = scratch[1].data.ptr
             plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux_ptr)
     _tune_stats["scratch_bytes_peak"] = max(_tune_stats["scratch_bytes_peak"], sum(x.nbytes for x in scratch))
     n = len(plan.candidates)

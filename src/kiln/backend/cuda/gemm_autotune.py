@@ -81,7 +81,8 @@ def choose(times_ms, margin: float = MARGIN) -> int:
 def disk_key(plan_key) -> str:
     """A plan's key as the file stores it: the shape, layouts, dtypes and epilogue, not the device id
     (the file is per device name already)."""
-    return json.dumps([list(v) if isinstance(v, tuple) else v for v in plan_key[1:]], separators=(",", ":"))
+    return json.dumps([list(v) if isinstance(v, tuple) else v for v in plan_key[1:]], separators=(",", ":"),
+                      default=int)  # a NumPy integer among the sizes is written as the number it is
 
 
 def valid_algo(value) -> bool:
