@@ -595,7 +595,7 @@ def test_a_step_captured_after_tuning_runs_the_tuned_algorithms(fresh_gpu, monke
                     warnings.simplefilter("error")
                     loss = captured(x, y)
                 if i == 2:
-                    assert launched, "the capture launched no GEMM"
+                    assert any(len(p.candidates) > 1 for p, _ in launched), "no GEMM in the capture had a choice"
                     assert all(a == list(p.algo) for p, a in launched)
                     assert all(len(p.candidates) == 1 or a == list(p.candidates[-1].algo) for p, a in launched)
             else:
