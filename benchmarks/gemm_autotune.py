@@ -8,6 +8,7 @@ on fresh buffers of that layout, the tuner's own timing (cublaslt._time_candidat
 a plan's first use) picks its candidate, and the heuristic's pick and the tuned one are timed again, alone
 in rounds of --iters launches (median ms). Calls per step x the difference is what tuning saves in a step;
 the tuner's wall time per key is what it costs, once, in the first step on a machine without the file.
+The GPU kernels of one launch of each (torch.profiler) name what changed (a split-K reduce gone, a tile).
 Prints a table and writes benchmarks/results/kernels/gemm_autotune-<date>.json and .md.
 """
 
@@ -90,6 +91,25 @@ def buffers_for(key):
     return a, b, out, kw
 
 
+def kernel_names(plan, algo, ops) -> list | None:
+    """The GPU kernels one launch of `algo` runs (CUPTI through torch.profiler, which sees cuBLASLt's kernels
+    on kiln's stream): shows a split-K GEMM's reduce kernel, or its absence. None without PyTorch."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    from kiln.backend.cuda import device
+    try:
+        torch.cuda.init()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            plan.launch_status(algo, ops.a_ptr, ops.b_ptr, ops.c_ptr)
+            device.synchronize()
+    except RuntimeError as e:  # no CUPTI: the table goes on without names
+        return [f"(profiler failed: {e})"]
+    return sorted({e.key for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")})
+
+
 def compare(key, iters: int) -> dict:
     """The tuner's pick for `key`, its cost, and the heuristic's and the tuned algorithm's median ms."""
     from kiln.backend.cuda import cublaslt, gemm_autotune as tune
@@ -111,7 +131,8 @@ def compare(key, iters: int) -> dict:
     finally:
         plan.candidates, tune.TIMED = everyone, timed
     (_, dtype, _, m, n, k, ta, tb, _, _, _, batch, _, epilogue, _, _, _, out_dtype, accumulate) = key
-    return {"dtype": dtype, "out_dtype": out_dtype, "m": m, "n": n, "k": k, "trans_a": ta, "trans_b": tb,
+    names = [kernel_names(plan, everyone[i].algo, ops) for i in (0, pick)]
+    return {"heuristic_kernels": names[0], "tuned_kernels": names[1],"dtype": dtype, "out_dtype": out_dtype, "m": m, "n": n, "k": k, "trans_a": ta, "trans_b": tb,
             "batch": batch, "epilogue": epilogue, "accumulate": accumulate, "candidates": len(everyone),
             "tuner_ms": tuner_ms, "pick": pick, "heuristic_ms": heuristic_ms,
             "tuned_ms": heuristic_ms if pick == 0 else tuned_ms, "tuning_cost_s": cost_s,
@@ -158,7 +179,11 @@ def main() -> None:
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "kernels" / f"gemm_autotune-{date}.json"
     write_json({"benchmark": "gemm_autotune", **run_fields("cuda"), "batch": [args.batch_size, args.seq_len],
                 "iters": args.iters, "summary": summary, "rows": rows}, out)
-    table = "\n".join(lines) + "\n\n" + "\n".join(
+    changed = [f"- {r['mode']} m={r['m']} n={r['n']} k={r['k']} {r['epilogue']}{' accumulate' if r['accumulate'] else ''}"
+               f": {' + '.join(r['heuristic_kernels'] or ['?'])} -> {' + '.join(r['tuned_kernels'] or ['?'])}"
+               for r in rows if r["pick"] != 0]
+    table = "\n".join(lines) + "\n\nKernels where tuning changed the pick:\n" + "\n".join(changed or ["- none"]) + \
+        "\n\n" + "\n".join(
         f"- {mode}: {s['gemm_shapes']} GEMM keys, {s['gemm_calls_per_step']} calls a step; heuristic "
         f"{s['heuristic_gemm_ms_per_step']:.2f} ms a step, tuned saves {s['saved_ms_per_step']:.2f} ms; tuning "
         f"costs {s['tuning_cost_s']:.2f} s once" for mode, s in summary.items()) + "\n"
