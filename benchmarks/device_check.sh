@@ -32,7 +32,10 @@
 # and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit),
 # attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
 # the forwards' ptxas report, a 2-minute smoke test, then its tests and benchmarks/attention.py with the three
-# forwards against SDPA, bf16, ~10 minutes at most: a call of its own).
+# forwards against SDPA, bf16, ~10 minutes at most: a call of its own),
+# gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
+# the heuristic's GEMM algorithms (kiln) beside the tuned ones (kiln-tuned, which tunes in its step 0 on this
+# fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -124,6 +127,11 @@ for p in "$@"; do
                                 --modes bf16 --frameworks kiln --steps 40 --warmup 10
                             part gpt2_step-bwd-split 120 python3 benchmarks/gpt2_step.py --modes bf16 --frameworks kiln \
                                 --steps 40 --warmup 10 ;;
+        gemm-tune) part gemm-tune-tests 240 python3 benchmarks/cuda_suite.py --shards 2 --logs "$LOGS/gemm-tune" \
+                       --paths tests/test_gemm_autotune.py tests/test_cuda_gemm.py
+                   part gpt2_step-gemm-tune 150 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 \
+                       --frameworks kiln,kiln-tuned --out "$LOGS/gpt2-gemm-tune"
+                   part gemm_autotune 200 python3 benchmarks/gemm_autotune.py --modes bf16,tf32,fp32 ;;
         *) echo "unknown part $p" ;;
     esac
 done

@@ -14,7 +14,10 @@ each end), and the losses are read after. `kiln-whole-logits` is kiln with the L
 bf16 branch's gradient made by a cast of the add+LayerNorm backward's fp32 dx (the path before that kernel
 stored it, the A/B of the fold: the same losses bit for bit, 6 bytes an element more); `kiln-recompute` is kiln with
 the LayerNorm outputs and the GELU made again in backward (`recompute_norm_gelu`: 10 of a block's 16 saved activations
-not kept, the same losses bit for bit, the A/B of memory against time). Peak memory is the framework's own
+not kept, the same losses bit for bit, the A/B of memory against time); `kiln-tuned` is kiln with
+every GEMM's cuBLASLt algorithm tuned (KILN_GEMM_AUTOTUNE=1), the A/B of GEMM tuning against `kiln` (the heuristic's
+pick, the default): it tunes each shape at its first use on a machine without the algorithm file, i.e. in step 0, and reads the file after;
+each kiln row says what tuning did, `gemm_autotune`). Peak memory is the framework's own
 peak of allocated device memory; fidelity is the largest difference of the per-step losses
 against PyTorch eager in the same mode. Writes benchmarks/results/gpt2_step/gpt2_step-<date>.json and .md.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -51,6 +55,8 @@ def _model(args):
 
 
 def run_kiln(args, batches):
+    if args.framework == "kiln-tuned":  # before the first GEMM plan is made
+        os.environ["KILN_GEMM_AUTOTUNE"] = "1"
     import kiln
     from kiln.graph import CapturedStep
     from kiln.optim import AdamW, gpt_param_groups
@@ -183,16 +189,21 @@ def worker(args) -> dict:
     losses, elapsed, peak, extra = run(args, batches)
     timed = args.steps - args.warmup
     tokens = args.batch_size * args.seq_len
-    return {"framework": args.framework, "mode": args.mode, "tokens_per_s": tokens * timed / elapsed,
-            "mean_step_ms": 1000 * elapsed / timed, "peak_allocated_gib": peak / 2**30,
-            "losses": losses, "memory": extra}
+    row = {"framework": args.framework, "mode": args.mode, "tokens_per_s": tokens * timed / elapsed,
+           "mean_step_ms": 1000 * elapsed / timed, "peak_allocated_gib": peak / 2**30,
+           "losses": losses, "memory": extra}
+    if args.framework.startswith("kiln"):
+        from kiln.backend.cuda import cublaslt
+        row["gemm_autotune"] = cublaslt.autotune_stats()
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="fp32,tf32,bf16")
     ap.add_argument("--frameworks", default="kiln,eager,compile",
-                    help="of kiln, kiln-whole-logits, kiln-branch-cast, kiln-recompute, eager, compile, compile-max")
+                    help="of kiln, kiln-tuned, kiln-whole-logits, kiln-branch-cast, kiln-recompute, eager, "
+                         "compile, compile-max")
     ap.add_argument("--max-autotune", action="store_true",
                     help="add compile-max (torch.compile mode max-autotune-no-cudagraphs: minutes of autotuning)")
     ap.add_argument("--worker-timeout", type=float, default=900, help="seconds one (framework, mode) may take")
@@ -243,6 +254,8 @@ def main() -> None:
             rows.append(r)
             print(f"{fw:8} {mode:5} {r['tokens_per_s']:10.0f} tok/s {r['peak_allocated_gib']:7.2f} GiB "
                   f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} ({r['wall_s']:.0f} s)", flush=True)
+            if "gemm_autotune" in r:
+                print(f"{'':8} GEMM tuning: {r['gemm_autotune']}", flush=True)
     by = {(r["framework"], r["mode"]): r for r in rows if "error" not in r}
     for r in rows:
         ref = by.get(("eager", r["mode"]))

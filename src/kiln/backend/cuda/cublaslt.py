@@ -9,6 +9,9 @@ transpose as a flag (never a transposed copy). Swapping the two leading dimensio
 silently accepted and silently wrong, which is why tests/test_cuda_gemm.py walks every
 transpose and leading-dimension combination against a float64 reference.
 
+Which of cuBLASLt's algorithms a plan runs is gemm_autotune.py's question: with tuning on (the
+default) the fastest of the heuristic's candidates, timed once per shape per machine and kept in a file.
+
 Enum values below are from cublasLt.h / cublas_api.h / library_types.h of CUDA 13
 (nvidia-cublas 13.10 wheel, nvidia/cu13/include).
 """
@@ -16,13 +19,16 @@ Enum values below are from cublasLt.h / cublas_api.h / library_types.h of CUDA 1
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from kiln.backend.cuda import device as rt
+from kiln.backend.cuda import allocator, device as rt, gemm_autotune as tune
 from kiln.errors import ConfigError, KilnError
 
 # library_types.h: cudaDataType
@@ -153,6 +159,8 @@ def _load_library():
             "cublasLtMatmulPreferenceDestroy": [_vp],
             "cublasLtMatmulAlgoGetHeuristic": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, ctypes.c_int,
                                                ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)],
+            "cublasLtMatmulAlgoCheck": [_vp, _vp, _vp, _vp, _vp, _vp, ctypes.POINTER(ctypes.c_uint64 * 8),
+                                        ctypes.POINTER(_HeuristicResult)],
             "cublasLtMatmul": [_vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp,
                                ctypes.POINTER(ctypes.c_uint64 * 8),
                                _vp, ctypes.c_size_t, _vp],
@@ -161,6 +169,8 @@ def _load_library():
             fn = getattr(lib, name)
             fn.argtypes = args
             fn.restype = ctypes.c_int
+        lib.cublasLtGetVersion.argtypes = []
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
         _lib = lib
         return lib
 
@@ -233,10 +243,11 @@ def lt_problem(m, n, k, trans_a, trans_b, lda, ldb, ldc):
 
 
 class _Plan:
-    """A cached matmul descriptor, four layouts and the heuristic's algorithm for one GEMM shape."""
+    """A cached matmul descriptor, four layouts, the heuristic's candidate algorithms for one GEMM shape
+    (its first pick first; `count` asked for) and `algo`, the one it runs: None until its first use."""
 
     def __init__(self, key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides, epilogue,
-                 aligns, aux_ld, vec_aligns, out_dtype=None, accumulate=False):
+                 aligns, aux_ld, vec_aligns, out_dtype=None, accumulate=False, count=1):
         lib = _load_library()
         ctx = _context()
         self.lib = lib
@@ -286,8 +297,8 @@ class _Plan:
                               (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_c),
                               (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_c)):
                 _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(val))
-            self.result = _HeuristicResult()
-            count = ctypes.c_int(0)
+            results = (_HeuristicResult * count)()
+            found = ctypes.c_int(0)
             # The heuristic reads the bias/aux pointers' alignment (not their data), and those
             # pointers are set per call; so the plan is keyed by that alignment and the heuristic
             # sees a placeholder address with exactly that alignment.
@@ -296,43 +307,212 @@ class _Plan:
                 self.set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, base + vec_aligns[0] % 256)
                 if epilogue == "gelu_aux_bias":
                     self.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, base + vec_aligns[1] % 256)
-            _check(lib.cublasLtMatmulAlgoGetHeuristic(ctx.handle, self.desc, *self.layouts, pref, 1,
-                                                      ctypes.byref(self.result), ctypes.byref(count)),
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(ctx.handle, self.desc, *self.layouts, pref, count,
+                                                      results, ctypes.byref(found)),
                    "cublasLtMatmulAlgoGetHeuristic", what)
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
-        if count.value < 1 or self.result.state != 0:
+        # Only algorithms that run here and fit kiln's workspace (the preference already asks for that).
+        self.candidates = [r for r in results[:max(0, min(found.value, count))]
+                           if r.state == 0 and r.workspaceSize <= WORKSPACE_BYTES]
+        if not self.candidates:
             raise CublasError(f"cuBLASLt has no algorithm for {what} (compute type {compute_type(dtype)})")
+        self.tune = count > 1
+        self.accumulate = bool(accumulate)
+        self.algo = None
         self.alpha = ctypes.c_float(1.0)
         self.beta = ctypes.c_float(1.0 if accumulate else 0.0)
 
     def set_pointer(self, attr: int, ptr: int) -> None:
         _set(self.lib.cublasLtMatmulDescSetAttribute, self.desc, attr, _vp(ptr))
 
-    def run(self, a_ptr, b_ptr, c_ptr) -> None:
+    def check(self, algo) -> bool:
+        """Whether cuBLASLt accepts a stored algorithm (8 ints) for this plan within kiln's workspace."""
+        result = _HeuristicResult()
+        la, lb, lc, ld = self.layouts
+        status = self.lib.cublasLtMatmulAlgoCheck(_context().handle, self.desc, la, lb, lc, ld,
+                                                  ctypes.byref(_algo(algo)), ctypes.byref(result))
+        return status == 0 and result.state == 0 and result.workspaceSize <= WORKSPACE_BYTES
+
+    def launch_status(self, algo, a_ptr, b_ptr, c_ptr) -> int:
+        """Queue the GEMM with `algo` on kiln's stream; cuBLASLt's status."""
         ctx = _context()
         la, lb, lc, ld = self.layouts
         # cuBLASLt's A is our B, its B is our A; C = D (read only when accumulating: beta = 1).
-        _check(self.lib.cublasLtMatmul(ctx.handle, self.desc, ctypes.byref(self.alpha), _vp(b_ptr), la,
+        return self.lib.cublasLtMatmul(ctx.handle, self.desc, ctypes.byref(self.alpha), _vp(b_ptr), la,
                                        _vp(a_ptr), lb, ctypes.byref(self.beta), _vp(c_ptr), lc, _vp(c_ptr), ld,
-                                       ctypes.byref(self.result.algo), _vp(ctx.workspace.data.ptr),
-                                       WORKSPACE_BYTES, _vp(rt.stream().ptr)),
-               "cublasLtMatmul", self.what)
+                                       ctypes.byref(algo), _vp(ctx.workspace.data.ptr), WORKSPACE_BYTES,
+                                       _vp(rt.stream().ptr))
+
+    def run(self, a_ptr, b_ptr, c_ptr) -> None:
+        _check(self.launch_status(self.algo, a_ptr, b_ptr, c_ptr), "cublasLtMatmul", self.what)
 
 
-def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
-         batch=1, stride_a=0, stride_b=0, stride_c=0, bias=None, epilogue="default", aux=None,
-         aux_ld=0, accumulate=False):
-    """Row-major out[m, n] = op(A) @ op(B) (+ epilogue) on device buffers, on kiln's stream.
+def _algo(values):
+    """A `cublasLtMatmulAlgo_t` (8 x uint64) from a stored list, or itself."""
+    return values if isinstance(values, ctypes.Array) else (ctypes.c_uint64 * 8)(*values)
 
-    A is [m, k] with row stride lda, or with trans_a stored [k, m]; B is [k, n] with row
-    stride ldb, or with trans_b stored [n, k]; strides are in elements. `a`, `b`, `out` are
-    CuPy arrays whose first element is the first matrix. Epilogues: "bias" adds bias[n];
-    "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld);
-    `out` is A's and B's dtype, or float32 for bfloat16/float16 operands (fp32 accumulation kept
-    in the output); with accumulate, out += op(A) @ op(B) in place (beta = 1: in the GEMM, in a
-    fixed order, e.g. a weight gradient summed over chunks of rows).
-    """
+
+class Operands:
+    """What timing a plan's candidates needs of one call: the pointers, and the byte spans the GEMM writes
+    (D, and aux under GELU_AUX_BIAS) and reads (A, B, the bias, and C = D when accumulating)."""
+
+    def __init__(self, a_ptr, b_ptr, c_ptr, c_span, a_span, b_span, bias_span=None, aux_ptr=None, aux_span=None):
+        self.a_ptr, self.b_ptr, self.c_ptr, self.aux_ptr = a_ptr, b_ptr, c_ptr, aux_ptr
+        self.c_span, self.aux_span = c_span, aux_span
+        self.read = [s for s in (a_span, b_span, bias_span) if s is not None]
+
+    def written(self) -> list:
+        return [s for s in (self.c_span, self.aux_span) if s is not None]
+
+
+def span(ptr: int, rows: int, cols: int, ld: int, itemsize: int, batch: int = 1, stride: int = 0) -> tuple:
+    """[first byte, past the last byte) of `batch` row-major [rows, cols] matrices with row stride ld,
+    `stride` elements apart."""
+    return ptr, ptr + ((batch - 1) * stride + (rows - 1) * ld + cols) * itemsize
+
+
+def needs_scratch(accumulate: bool, ops: Operands) -> bool:
+    """Whether the candidates must write into scratch copies rather than the real outputs: with beta = 1
+    each launch adds into C again, and an output that overlaps an input would change what the next candidate
+    reads. Otherwise (beta = 0, D write-only) they write into D and aux, and the chosen algorithm's run
+    after tuning is the one whose result stays."""
+    return accumulate or any(w0 < r1 and r0 < w1 for w0, w1 in ops.written() for r0, r1 in ops.read)
+
+
+_tune_stats = {"plans_tuned": 0, "plans_from_cache": 0, "plans_untuned_in_capture": 0,
+               "plans_untuned_no_memory": 0, "candidates_timed": 0, "tuning_s": 0.0, "scratch_bytes_peak": 0}
+_warned: set = set()  # the warnings given in this process, once each
+_algo_caches: dict = {}
+
+
+def autotune_stats() -> dict:
+    """What GEMM tuning did in this process: plans tuned (timed), taken from the file, first met inside a
+    capture or left without memory for their scratch (the heuristic's pick, both); candidates timed; host
+    seconds spent timing; the most scratch bytes held at once."""
+    return dict(_tune_stats)
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _algo_cache() -> tune.AlgoCache:
+    dev = rt.device_id()
+    cache = _algo_caches.get(dev)
+    if cache is None:
+        name, version = rt.device_name(), int(_load_library().cublasLtGetVersion())
+        cache = _algo_caches[dev] = tune.AlgoCache(tune.cache_path(name, version), name, version)
+    return cache
+
+
+def select(plan: _Plan, key, ops: Operands):
+    """The algorithm `plan` runs from now on in this process (gemm_autotune.py says why it never changes):
+    the heuristic's first when tuning is off; the file's, when cuBLASLt accepts it; inside a stream capture
+    (where nothing may be timed), or without the memory for a scratch copy, the heuristic's first, said once;
+    else the fastest candidate, timed now."""
+    first = plan.candidates[0].algo
+    if not plan.tune:
+        return first
+    cache, dkey = _algo_cache(), tune.disk_key(key)
+    entry = cache.get(dkey)
+    stale = None
+    if entry is not None:
+        if plan.check(entry["algo"]):
+            _tune_stats["plans_from_cache"] += 1
+            return _algo(entry["algo"])
+        stale = entry["algo"]  # another cuBLASLt build or workspace: tune again, and overwrite it
+    if rt.stream().is_capturing():
+        _tune_stats["plans_untuned_in_capture"] += 1
+        _warn_once("capture", f"kiln: a GEMM ({plan.what}) first ran inside a CUDA graph capture, where kiln cannot "
+                   "time cuBLASLt's algorithms: it runs the heuristic's pick for this whole process (as may other "
+                   "shapes met first in a capture; run one step eagerly before capturing, as the Trainer does, to "
+                   "tune them)")
+        return first
+    if len(plan.candidates) == 1:
+        times, index = [float("nan")], 0
+    else:
+        t0 = time.perf_counter()
+        times = _time_candidates(plan, ops)
+        _tune_stats["tuning_s"] += time.perf_counter() - t0
+        if times is None:
+            _tune_stats["plans_untuned_no_memory"] += 1
+            _warn_once("memory", f"kiln: no device memory for the scratch copy of C that timing a GEMM ({plan.what}) "
+                       "needs: it runs the heuristic's pick for this whole process (as may other such GEMMs), untimed "
+                       "and not written to the algorithm file")
+            return first
+        _tune_stats["candidates_timed"] += len(times)
+        index = tune.choose(times)
+    _tune_stats["plans_tuned"] += 1
+    pick = plan.candidates[index].algo
+    mine = {"algo": list(pick), "index": index, "candidates": len(plan.candidates),
+            "median_ms": [round(t, 5) if math.isfinite(t) else None for t in times]}
+    kept = cache.put(dkey, mine, stale)
+    if kept["algo"] != mine["algo"] and plan.check(kept["algo"]):
+        return _algo(kept["algo"])  # another process (a rank) tuned this shape first: run what it runs
+    return pick
+
+
+def _time_candidates(plan: _Plan, ops: Operands) -> list | None:
+    """Median milliseconds of one launch of each candidate (inf for one cuBLASLt refuses; None, with nothing
+    launched, when the device has no memory for the scratch copies), by CUDA events on
+    kiln's stream: WARMUP rounds, then TIMED rounds, each launching every candidate once, in turn, with an
+    event after each launch, all queued before the one synchronisation. So the device runs the launches back
+    to back (an interval between two events is one launch, not the host's pace), and every candidate meets
+    the same clocks and the same warm caches (rounds, not one candidate after another: the heuristic's
+    pick, first in the list, would otherwise run while the clocks still ramp up). The median, not the
+    minimum: on a shared GPU (test shards, another rank) other work falls into some intervals."""
+    cp = rt.cupy()
+    s = rt.stream()
+    c_ptr, aux_ptr, scratch = ops.c_ptr, ops.aux_ptr, []
+    if needs_scratch(plan.accumulate, ops):
+        c0, c1 = ops.c_span
+        try:  # kiln's allocator: 256-aligned or better, as D needs
+            scratch = [cp.empty((end - start,), dtype=np.uint8) for start, end in ops.written()]
+        except (MemoryError, allocator.OutOfMemoryError):  # CuPy's OutOfMemoryError is a MemoryError
+            return None
+        if plan.accumulate:  # D = C + A B: the candidates add into a copy of C, never into C itself
+            cp.cuda.runtime.memcpyAsync(scratch[0].data.ptr, c0, c1 - c0, cp.cuda.runtime.memcpyDeviceToDevice,
+                                        s.ptr)
+        c_ptr = scratch[0].data.ptr
+        if ops.aux_span is not None:
+            aux_ptr = scratch[1].data.ptr
+            plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux_ptr)
+    _tune_stats["scratch_bytes_peak"] = max(_tune_stats["scratch_bytes_peak"], sum(x.nbytes for x in scratch))
+    n = len(plan.candidates)
+    ok = [True] * n
+    intervals: list = [[] for _ in range(n)]  # (event before, event after) of each timed launch
+    try:
+        for _ in range(tune.WARMUP):
+            for j, cand in enumerate(plan.candidates):
+                if ok[j]:
+                    ok[j] = plan.launch_status(cand.algo, ops.a_ptr, ops.b_ptr, c_ptr) == 0
+        last = cp.cuda.Event()
+        last.record(s)
+        for _ in range(tune.TIMED):
+            for j, cand in enumerate(plan.candidates):
+                if ok[j]:
+                    ok[j] = plan.launch_status(cand.algo, ops.a_ptr, ops.b_ptr, c_ptr) == 0
+                    after = cp.cuda.Event()
+                    after.record(s)
+                    intervals[j].append((last, after))
+                    last = after
+        s.synchronize()
+    finally:
+        if ops.aux_ptr is not None and aux_ptr != ops.aux_ptr:
+            plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ops.aux_ptr)
+        del scratch  # back to kiln's allocator: the device is done with it (synchronised above)
+    return [float(np.median([cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in intervals[j]])) if ok[j]
+            else float("inf") for j in range(n)]
+
+
+def prepare(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
+            batch=1, stride_a=0, stride_b=0, stride_c=0, bias=None, epilogue="default", aux=None,
+            aux_ld=0, accumulate=False):
+    """gemm's first half: (plan, key, pointers, operands) of a call, the plan made at first sight of its key
+    and its bias and aux pointers set; operands() gives the Operands that timing the plan needs."""
     if epilogue not in EPILOGUES:
         raise ConfigError(f"unknown GEMM epilogue {epilogue!r}; allowed: {', '.join(EPILOGUES)}")
     dtype = np.dtype(a.dtype)
@@ -355,11 +535,48 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides,
-                                   epilogue, aligns, aux_ld, vec_aligns, out.dtype, accumulate)
+                                   epilogue, aligns, aux_ld, vec_aligns, out.dtype, accumulate,
+                                   tune.candidate_count(2 * m * n * k * batch))
     if epilogue != "default":
         if bias is None:
             raise ConfigError(f"GEMM epilogue {epilogue!r} needs a bias buffer")
         plan.set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, rt.ptr(bias))
     if epilogue == "gelu_aux_bias":
         plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, rt.ptr(aux))
+
+    def operands() -> Operands:
+        item, out_item = dtype.itemsize, np.dtype(out.dtype).itemsize
+        a_rows, a_cols = (k, m) if trans_a else (m, k)
+        b_rows, b_cols = (n, k) if trans_b else (k, n)
+        gelu = epilogue == "gelu_aux_bias"
+        return Operands(
+            *ptrs, c_span=span(ptrs[2], m, n, ldc, out_item, batch, stride_c),
+            a_span=span(ptrs[0], a_rows, a_cols, lda, item, batch, stride_a),
+            b_span=span(ptrs[1], b_rows, b_cols, ldb, item, batch, stride_b),
+            bias_span=span(rt.ptr(bias), 1, n, n, np.dtype(bias.dtype).itemsize) if bias is not None else None,
+            aux_ptr=rt.ptr(aux) if gelu else None,
+            aux_span=span(rt.ptr(aux), m, n, aux_ld, np.dtype(aux.dtype).itemsize) if gelu else None)
+    return plan, key, ptrs, operands
+
+
+def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None, ldc=None,
+         batch=1, stride_a=0, stride_b=0, stride_c=0, bias=None, epilogue="default", aux=None,
+         aux_ld=0, accumulate=False):
+    """Row-major out[m, n] = op(A) @ op(B) (+ epilogue) on device buffers, on kiln's stream.
+
+    A is [m, k] with row stride lda, or with trans_a stored [k, m]; B is [k, n] with row
+    stride ldb, or with trans_b stored [n, k]; strides are in elements. `a`, `b`, `out` are
+    CuPy arrays whose first element is the first matrix. Epilogues: "bias" adds bias[n];
+    "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld);
+    `out` is A's and B's dtype, or float32 for bfloat16/float16 operands (fp32 accumulation kept
+    in the output); with accumulate, out += op(A) @ op(B) in place (beta = 1: in the GEMM, in a
+    fixed order, e.g. a weight gradient summed over chunks of rows). A shape's first call picks the
+    algorithm its plan keeps (`select`: tuned, from the file, or the heuristic's).
+    """
+    plan, key, ptrs, operands = prepare(
+        a, b, out, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b, lda=lda, ldb=ldb, ldc=ldc, batch=batch,
+        stride_a=stride_a, stride_b=stride_b, stride_c=stride_c, bias=bias, epilogue=epilogue, aux=aux,
+        aux_ld=aux_ld, accumulate=accumulate)
+    if plan.algo is None:
+        plan.algo = select(plan, key, operands())
     plan.run(*ptrs)
