@@ -26,13 +26,14 @@
 # capture76 (issue 14: the 76-layer fp32 step captured as one graph, every allocation logged to
 # capture76-trace.json and replayed through the allocator on the CPU at the device's free bytes),
 # attention-bwd (issue 14: the fused backward, KILN_ATTENTION_BWD=fused: the backwards' ptxas report, a 2-minute smoke
-# test, the attention tests without the TMA forward's, then benchmarks/attention.py --bwd split,fused against SDPA,
+# test, benchmarks/attention.py --bwd split,fused against SDPA, then the fused backward's tests (the smoke test and the
+# benchmark first: a call cut off at its limit keeps them),
 # ~10 minutes at most: a call of its own), attention-bwd-gpt2 (the bf16 GPT-2 step, kiln alone, fused then split, ~4 min),
 # largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off
 # and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit),
 # attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
-# the forwards' ptxas report, a 2-minute smoke test, then its tests and benchmarks/attention.py with the three
-# forwards against SDPA, bf16, ~10 minutes at most: a call of its own),
+# the forwards' ptxas report, a 2-minute smoke test, then benchmarks/attention.py with the three forwards against
+# SDPA and its tests, bf16, ~10 minutes at most: a call of its own),
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
 # the heuristic's GEMM algorithms (kiln) beside the tuned ones (kiln-tuned, which tunes in its step 0 on this
 # fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s).
@@ -109,9 +110,9 @@ for p in "$@"; do
                        # a hang or a fault shows here, in 2 minutes, before the long parts run
                        part attention-tma-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
                            tests/test_op_attention.py -k "tma_reads_packed" &&
+                       part attention-tma-bench 240 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong &&
                        part attention-tma-tests 220 python3 -m pytest -q -m cuda -p no:cacheprovider \
-                           tests/test_op_attention.py -k "tma" &&
-                       part attention-tma-bench 240 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong ;;
+                           tests/test_op_attention.py -k "tma" ;;
         attention-bwd) part attention-bwd-ptxas 60 python3 -c "from kiln.backend.cuda import attention, compiler; \
                            r = compiler.compile_family('attention.cu', 'sm_90a', verbose_ptxas=True); \
                            rep = compiler.ptxas_report(r.log); \
@@ -120,9 +121,9 @@ for p in "$@"; do
                        # a hang (a turn never given) or a fault shows here, in 2 minutes, before the long parts run
                        part attention-bwd-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
                            tests/test_op_attention.py -k "bwd_fused_is_bitwise or bwd_fused_equals_split" &&
+                       part attention-bwd-bench 200 python3 benchmarks/attention.py --bwd split,fused &&
                        part attention-bwd-tests 200 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
-                           tests/test_op_attention.py -k "not tma" &&
-                       part attention-bwd-bench 200 python3 benchmarks/attention.py --bwd split,fused ;;
+                           tests/test_op_attention.py -k "fused" ;;
         attention-bwd-gpt2) KILN_ATTENTION_BWD=fused part gpt2_step-bwd-fused 120 python3 benchmarks/gpt2_step.py \
                                 --modes bf16 --frameworks kiln --steps 40 --warmup 10
                             part gpt2_step-bwd-split 120 python3 benchmarks/gpt2_step.py --modes bf16 --frameworks kiln \
