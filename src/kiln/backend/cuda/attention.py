@@ -82,20 +82,22 @@ register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS})
 
 
+def _variant(env: str, variants: tuple[str, ...]) -> str:
+    """The kernel variant the environment variable env names, the first of variants by default."""
+    v = os.environ.get(env, variants[0])
+    if v not in variants:
+        raise ConfigError(f"{env} must be one of {', '.join(variants)}, got {v!r}")
+    return v
+
+
 def fwd_variant() -> str:
     """The bf16/fp16 forward kernel KILN_ATTENTION_FWD names (default "wgmma")."""
-    v = os.environ.get("KILN_ATTENTION_FWD", "wgmma")
-    if v not in FWD_VARIANTS:
-        raise ConfigError(f"KILN_ATTENTION_FWD must be one of {', '.join(FWD_VARIANTS)}, got {v!r}")
-    return v
+    return _variant("KILN_ATTENTION_FWD", FWD_VARIANTS)
 
 
 def bwd_variant() -> str:
     """The bf16/fp16 backward KILN_ATTENTION_BWD names (default "split": dK/dV and dQ kernels)."""
-    v = os.environ.get("KILN_ATTENTION_BWD", "split")
-    if v not in BWD_VARIANTS:
-        raise ConfigError(f"KILN_ATTENTION_BWD must be one of {', '.join(BWD_VARIANTS)}, got {v!r}")
-    return v
+    return _variant("KILN_ATTENTION_BWD", BWD_VARIANTS)
 
 
 def delta_rows_per_block(d: int, itemsize: int) -> int:
