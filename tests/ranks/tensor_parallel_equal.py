@@ -150,6 +150,19 @@ for chunks in (1, 2, 4):
     errors[f"block_all_reduces_{chunks}"] = list(calls)
 diff("async_tp_loss_vs_plain", max(abs(losses[n] - losses[1]) for n in losses), 0)
 
+# ---- the same with Block.recompute_norm_gelu: c_attn and c_fc keep the residual (f before them), the
+# MLP's c_proj keeps the pre-activation and makes the GELU again (g after it, in N pieces)
+for chunks in (1, 2):
+    model = parallelize_tensor(dense_gpt(), tp, chunks)
+    model.recompute_norm_gelu = True
+    loss = model(t(idx), t(tgt))[1]
+    diff("gpt_loss_recompute", loss.item(), ref_loss.item())
+    loss.backward()
+    for name, p in model.named_parameters():
+        axis, sections = layout.get(name, (None, None))
+        want = ref_grads[name] if axis is None else shard(ref_grads[name], axis, sections, r, W)
+        diff("gpt_grads_recompute", p.grad.numpy(), want)
+
 # ---- the new core collectives: send_recv around the ring, all_to_all
 a = np.arange(6, dtype=np.float64) + 100 * r
 buf = kiln.tensor(np.empty(6))

@@ -32,7 +32,7 @@ from kiln.nn import functional as F
 from kiln.nn.layers import Embedding, Linear, as_dtype_of
 from kiln.nn.module import Module, Parameter
 from kiln.ops.convert import grad_dtype
-from kiln.ops.matmul import Linear as LinearOp
+from kiln.ops.matmul import GELULinear, Linear as LinearOp
 from kiln.tensor import Tensor, _device_of
 
 
@@ -88,21 +88,24 @@ def reduce_from_parallel(x, group):
 class ChunkedRowParallel(Function):
     """x[..., in/tp] @ w[out, in/tp]^T summed over the group, the tokens in `chunks` pieces whose
     all-reduces run while the next piece's GEMM does (async TP); the backward is a Linear's (g's
-    backward is the identity)."""
+    backward is the identity). of_gelu: the GEMMs read gelu(x), made here and not kept (x is the MLP's
+    pre-activation under Block.recompute_norm_gelu), and the backward is F.gelu_linear's."""
 
     fresh_grads = True
 
     @staticmethod
-    def forward(ctx, x, weight, group, chunks):
+    def forward(ctx, x, weight, group, chunks, of_gelu):
         backend = x.backend
         ctx.backend, ctx.x_shape, ctx.has_bias, ctx.param_grad_dtype = backend, x.shape, False, grad_dtype(weight)
-        nx, nw = ctx.needs_input_grad
-        ctx.save_for_backward(x if nw else None, weight if nx else None)
+        ctx.of_gelu = of_gelu
+        nx, nw = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if nw or of_gelu else None, weight if nx or of_gelu else None)
         x2 = x.data.reshape(-1, x.shape[-1])
-        rows = x2.shape[0] // chunks
+        a = backend.gelu_fwd(x2) if of_gelu else x2
+        rows = a.shape[0] // chunks
         pieces, works = [], []
         for i in range(chunks):
-            y = backend.linear_fwd(x2[i * rows:(i + 1) * rows], weight.data, None)  # GEMM of chunk i
+            y = backend.linear_fwd(a[i * rows:(i + 1) * rows], weight.data, None)  # GEMM of chunk i
             works.append(_all_reduce(group, y, async_op=True))  # its sum overlaps chunk i+1's GEMM
             pieces.append(y)
         for work in works:
@@ -110,7 +113,9 @@ class ChunkedRowParallel(Function):
         y = pieces[0] if chunks == 1 else backend.xp.concatenate(pieces, axis=0)
         return y.reshape(x.shape[:-1] + (weight.shape[0],))
 
-    backward = staticmethod(LinearOp.backward)  # the op's backward, has_bias False: (dx, dw)
+    @staticmethod
+    def backward(ctx, g):  # the ops' own backwards, has_bias False: (dx, dw)
+        return (GELULinear if ctx.of_gelu else LinearOp).backward(ctx, g)
 
 
 # ---------------------------------------------------------------------- sharding
@@ -158,6 +163,9 @@ class ColumnParallelLinear(Linear):
     def forward_gelu(self, x):
         return Linear.forward_gelu(self, copy_to_parallel(x, self.group))
 
+    def forward_of_norm(self, x, s, norm):
+        return Linear.forward_of_norm(self, copy_to_parallel(x, self.group), s, norm)
+
 
 class RowParallelLinear(Linear):
     """Linear whose input features are split over the group; the partial products are summed
@@ -175,6 +183,13 @@ class RowParallelLinear(Linear):
         self.shards = {"weight": (1, 1)}
 
     def forward(self, x):
+        return self._summed(x, of_gelu=False)
+
+    def forward_of_gelu(self, pre):
+        """self(gelu(pre)) keeping pre, not gelu(pre), for the backward (Block.recompute_norm_gelu)."""
+        return self._summed(pre, of_gelu=True)
+
+    def _summed(self, x, of_gelu: bool):
         tokens = x.numel() // x.shape[-1]
         if tokens % self.chunks:
             raise ShapeError(f"async TP splits the {tokens} tokens of input {x.shape} into {self.chunks} "
@@ -182,7 +197,7 @@ class RowParallelLinear(Linear):
         if x.shape[-1] != self.in_features:
             raise ShapeError(f"row-parallel linear: input {x.shape} does not fit its {self.in_features} "
                              "input features (this rank's shard)")
-        y = ChunkedRowParallel.apply(x, as_dtype_of(self.weight, x), self.group, self.chunks)
+        y = ChunkedRowParallel.apply(x, as_dtype_of(self.weight, x), self.group, self.chunks, of_gelu)
         return y if self.bias is None else y + as_dtype_of(self.bias, y)
 
 
