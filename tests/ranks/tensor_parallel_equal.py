@@ -127,18 +127,23 @@ def counting(tensor, *args, **kwargs):
     return count(tensor, *args, **kwargs)
 
 
+def diff_grads(model, name):
+    """Each TP gradient against its shard of the dense model's."""
+    layout = shard_layout(model)
+    for pname, p in model.named_parameters():
+        axis, sections = layout.get(pname, (None, None))
+        want = ref_grads[pname] if axis is None else shard(ref_grads[pname], axis, sections, r, W)
+        diff(name, p.grad.numpy(), want)
+
+
 for chunks in (1, 2, 4):
     model = parallelize_tensor(dense_gpt(), tp, chunks)
-    layout = shard_layout(model)
     logits, loss = model(t(idx), t(tgt))
     losses[chunks] = loss.item()
     diff("gpt_loss", loss.item(), ref_loss.item())
     diff("gpt_logits", logits.numpy(), shard(ref_logits.numpy(), 2, 1, r, W))
     loss.backward()
-    for name, p in model.named_parameters():
-        axis, sections = layout.get(name, (None, None))
-        want = ref_grads[name] if axis is None else shard(ref_grads[name], axis, sections, r, W)
-        diff("gpt_grads" if chunks == 1 else "gpt_grads_async", p.grad.numpy(), want)
+    diff_grads(model, "gpt_grads" if chunks == 1 else "gpt_grads_async")
     state = dense_state_dict(model, tp)
     diff("gpt_dense_state", max(float(np.max(np.abs(state[n] - p.numpy()))) for n, p in ref.named_parameters()), 0)
     # one block's forward: Megatron's two all-reduces (attention and MLP outputs), N pieces each in async TP
@@ -158,10 +163,7 @@ for chunks in (1, 2):
     loss = model(t(idx), t(tgt))[1]
     diff("gpt_loss_recompute", loss.item(), ref_loss.item())
     loss.backward()
-    for name, p in model.named_parameters():
-        axis, sections = layout.get(name, (None, None))
-        want = ref_grads[name] if axis is None else shard(ref_grads[name], axis, sections, r, W)
-        diff("gpt_grads_recompute", p.grad.numpy(), want)
+    diff_grads(model, "gpt_grads_recompute")
 
 # ---- the new core collectives: send_recv around the ring, all_to_all
 a = np.arange(6, dtype=np.float64) + 100 * r
