@@ -298,7 +298,7 @@ def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, 
         into = tuple(xp.full(a.shape, xp.nan, dtype=a.dtype) for a in (q, k, v))
         grads[variant] = [gpu.to_numpy(a).astype(np.float64) for a in
                           gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
-    eps = float(np.finfo(dtype).eps)  # both round the same fp32 sums (up to order) to dtype: a few ulps apart
+    eps = float(ml_dtypes.finfo(dtype).eps)  # both round the same fp32 sums (up to order) to dtype: a few ulps apart
     for got, ref in zip(grads["fused"], grads["split"]):
         close(gpu, got, ref, dtype)
         bound = 4 * eps * (np.abs(ref) + 0.05 * np.abs(ref).max())
@@ -315,6 +315,61 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fa3")
     with pytest.raises(ConfigError, match="one of split, fused, got 'fa3'"):
         bwd_variant()
+
+
+@pytest.mark.cuda
+def test_attention_bwd_fused_masks_keys_past_the_last_in_ds(gpu, rng, monkeypatch):
+    """Full attention over 37 keys with q and k anti-aligned, so every lse is about -15: a key past n_k
+    (zero-filled, S = 0) would give dS = -exp(-lse)·delta, beyond fp16's range, and inf·0 = NaN in every
+    dQ of its query row, unless the fused kernel masks it as the split dQ kernel does."""
+    b, h, n_q, n_k, d = 1, 2, 100, 37, 64
+    u = rng.standard_normal((b, h, 1, d))
+    u /= np.linalg.norm(u, axis=-1, keepdims=True)
+    q = gpu.asarray((12 * u + 0.1 * rng.standard_normal((b, h, n_q, d))).astype(np.float16))
+    k = gpu.asarray((-12 * u + 0.1 * rng.standard_normal((b, h, n_k, d))).astype(np.float16))
+    v, g = gpu.asarray(rand((b, h, n_k, d), np.float16, rng)), gpu.asarray(rand((b, h, n_q, d), np.float16, rng))
+    scale = 1.0 / math.sqrt(d)
+    out, lse = gpu.attention_fwd(q, k, v, scale)
+    assert gpu.to_numpy(lse).max() < -10  # exp(-lse)·|delta| past fp16's 65504 for a typical delta
+    grads = {}
+    for variant in ("split", "fused"):
+        monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
+        grads[variant] = [gpu.to_numpy(a) for a in gpu.attention_bwd(g, q, k, v, out, lse, scale)]
+    for got, ref in zip(grads["fused"], grads["split"]):
+        assert np.isfinite(got).all()
+        close(gpu, got.astype(np.float64), ref.astype(np.float64), np.float16)
+
+
+@pytest.mark.cuda
+def test_attention_bwd_fused_replays_in_a_captured_graph(monkeypatch):
+    """The fused backward's semaphores and ticket are zeroed on kiln's stream, so a captured step zeroes
+    them on every replay: three replays on new inputs equal the step run op by op, bit for bit (stale
+    tickets would hang the kernel or mis-order dQ)."""
+    if not kiln.cuda_is_available():
+        pytest.skip("needs an NVIDIA GPU with CuPy")
+    from kiln.graph import CapturedStep
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")
+    rng = np.random.default_rng()
+
+    q, k, v = (kiln.tensor(rand((2, 4, 512, 64), ml_dtypes.bfloat16, rng), device="cuda", requires_grad=True)
+               for _ in range(3))
+
+    def step(g):
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.backward(g)
+        grads = (q.grad, k.grad, v.grad)
+        q.grad = k.grad = v.grad = None
+        return (out, *grads)
+
+    graph = CapturedStep(step)
+    for _ in range(4):  # the first call captures, the rest replay
+        g = kiln.tensor(rand((2, 4, 512, 64), ml_dtypes.bfloat16, rng), device="cuda")
+        got = [t.numpy() for t in graph(g)]
+        want = [t.numpy() for t in step(g)]
+        for a, b_ in zip(got, want):
+            assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
+    assert graph.captured
+    graph.release()
 
 
 def test_attention_bwd_fused_sizes():

@@ -277,6 +277,7 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         # dQ in fp32 (key block 0 stores, later ones add in order, the last writes dq), the semaphores
         # and the ticket counter zeroed on kiln's stream (kernel comment: attention_bwd_fused_tc)
         acc = cp.empty((b * h, n_q, d), dtype=cp.float32)
+        rt.stream()  # the memset below is CuPy's: on kiln's stream, so a captured step zeroes them every replay
         sem = cp.zeros(fused_semaphores(b * h, n_q, d), dtype=cp.int32)
         get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}>")(
             (cdiv(n_k, TC_ROWS) * b * h,), (TC_THREADS,),

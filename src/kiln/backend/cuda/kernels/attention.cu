@@ -1379,7 +1379,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
             cp_async_commit();
         }
         // As attention_bwd_dkdv_tc: Sᵀ and dPᵀ issued together, P formed while dPᵀ runs, dSᵀ while dV does.
-        const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
+        const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q || key0 + 16 > n_k;  // keys past n_k feed dS, hence dQ
         float p[BQ / 8][4], ds[BQ / 8][4];
         zero_acc(p);
         zero_acc(ds);
@@ -1396,7 +1396,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
                 const int col = j * 8 + 2 * c + (e & 1), query = q0 + col;
                 const int key = e < 2 ? key_lo : key_hi;
                 const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
-                p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
+                p[j][e] = (!edge || (key <= query + off && key < n_k && query < n_q)) ? x : 0.0f;
             }
         }
         u32 pa[BQ / 16][4];
