@@ -4,7 +4,9 @@
 
 Causal attention, forward and forward+backward, per B x H x T x D (Appendix B.1-B.2: B x H x D
 from 1x12x64 to 16x12x64, 8x16x64, 4x32x128; T from 512 to 16384, 16384 tokens a batch on the
-12x64 sweep): median milliseconds (CUDA events, after warm-up) and TFLOP/s of kiln and of
+12x64 sweep): median milliseconds of one call on the GPU (ten calls recorded as one CUDA graph on
+each side, the graph replayed between CUDA events: no host launch cost, as in a graph-replayed step;
+until 2026-12-05 each call was timed alone, which for kiln counted ~0.25 ms of Python) and TFLOP/s of kiln and of
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
 choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
 (KILN_ATTENTION_FWD: wgmma, the default, or tma, flash-attention 3's structure) against the same
@@ -24,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_speed import BF16, kiln_and_torch, median_ms, write_rows  # noqa: E402
+from kernel_speed import BF16, graph_ms, kiln_and_torch, write_rows  # noqa: E402
 
 SHAPES = [  # (B, H, T, D)
     (16, 12, 1024, 64),  # GPT-2 124M's step
@@ -65,8 +67,8 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
         F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(), is_causal=True)
 
     rows = []
-    t_fwd = median_ms(torch_fwd, iters, "torch")
-    t_fwd_bwd = median_ms(torch_fwd_bwd, iters, "torch")
+    t_fwd = graph_ms(torch_fwd, iters, "torch")
+    t_fwd_bwd = graph_ms(torch_fwd_bwd, iters, "torch")
     # bwd: kiln's backward alone (from one forward's out and lse) against SDPA's fwd+bwd minus its fwd
     for op, kfn, tms, flops, kernels in (
             ("fwd", lambda: k.attention_fwd(q, kk, v, scale), t_fwd, flops_fwd,
@@ -80,7 +82,7 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
                 os.environ["KILN_ATTENTION_FWD"] = fwd_kernel
             if bwd_kernel:
                 os.environ["KILN_ATTENTION_BWD"] = bwd_kernel
-            kms = median_ms(kfn, iters, "kiln")
+            kms = graph_ms(kfn, iters, "kiln")
             row = {"op": op, "dtype": np.dtype(dtype).name, "shape": list(shape), "fwd_kernel": fwd_kernel,
                    "bwd_kernel": bwd_kernel, "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
                    "torch_tflops": flops / tms / 1e9, "ratio": tms / kms}
