@@ -60,7 +60,7 @@ def deal(ids: list[str], shards: int) -> list[list[str]]:
     return [ids[i::shards] for i in range(shards)]
 
 
-_SUMMARY = re.compile(r"^=+ (.* in [\d.]+s.*) =+$")
+_SUMMARY = re.compile(r"^=* ?(\d+ \w+.* in [\d.]+s.*?)(?: =+)?$")  # pytest -q prints it without the rules
 
 
 def main(argv=None) -> int:

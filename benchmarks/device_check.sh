@@ -31,7 +31,8 @@
 # ~10 minutes at most: a call of its own), attention-bwd-gpt2 (the bf16 GPT-2 step, kiln alone, fused then split, ~4 min),
 # largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off
 # and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit),
-# attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
+# attention (issue 14: the fused backward's masking and graph-replay tests, then benchmarks/attention.py with every
+# forward and backward against SDPA, all graph-timed, ~5 min), attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
 # the forwards' ptxas report, a 2-minute smoke test, then benchmarks/attention.py with the three forwards against
 # SDPA and its tests, bf16, ~10 minutes at most: a call of its own),
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
@@ -124,6 +125,10 @@ for p in "$@"; do
                        part attention-bwd-bench 200 python3 benchmarks/attention.py --bwd split,fused &&
                        part attention-bwd-tests 200 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
                            tests/test_op_attention.py -k "fused" ;;
+        attention) part attention-fused-tests 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
+                       tests/test_op_attention.py -k "bwd_fused_masks or bwd_fused_replays"
+                   part attention-bench 330 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong \
+                       --bwd split,fused ;;
         attention-bwd-gpt2) KILN_ATTENTION_BWD=fused part gpt2_step-bwd-fused 120 python3 benchmarks/gpt2_step.py \
                                 --modes bf16 --frameworks kiln --steps 40 --warmup 10
                             part gpt2_step-bwd-split 120 python3 benchmarks/gpt2_step.py --modes bf16 --frameworks kiln \
