@@ -9,7 +9,7 @@ each side, the graph replayed between CUDA events: no host launch cost, as in a 
 until 2026-12-05 each call was timed alone, which for kiln counted ~0.25 ms of Python) and TFLOP/s of kiln and of
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
 choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
-(KILN_ATTENTION_FWD: wgmma, the default, or tma, flash-attention 3's structure) against the same
+(KILN_ATTENTION_FWD: tma-pingpong, the default, and tma, flash-attention 3's structure, or wgmma) against the same
 SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, or fused);
 rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
 half: forward 4 B H T^2 D / 2, backward 2.5x that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).

@@ -394,15 +394,17 @@ def test_attention_rejects_a_negative_causal_offset_and_mismatched_blocks():
         _mask_offset(q, np.zeros((1, 3, 6, 8)), True, 0)
 
 
-# --- the forward with flash-attention 3's structure (KILN_ATTENTION_FWD=tma) ---------------
+# --- the bf16/fp16 forward kernels (KILN_ATTENTION_FWD): flash-attention 3's structure, the default, -----
+# --- and the one-warpgroup kernel (the other tests run the default) ----------------------------------
 
 TMA_DTYPES = [ml_dtypes.bfloat16, np.float16]
 TMA_DTYPE_IDS = ["bf16", "fp16"]
 
 
-@pytest.fixture(params=["tma", "tma-pingpong"])
+@pytest.fixture(params=["tma", "tma-pingpong", "wgmma"])
 def tma(request, monkeypatch):
-    """Each test of this section runs with both forms of the kernel: the consumers interleaved freely or by turns."""
+    """Each test of this section runs with each forward: the TMA kernel with its consumers interleaved freely
+    or by turns, and the one-warpgroup kernel."""
     monkeypatch.setenv("KILN_ATTENTION_FWD", request.param)
     return request.param
 
@@ -441,13 +443,15 @@ def test_attention_fwd_tma_blocks_of_other_lengths_and_offsets(gpu, rng, tma, bl
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(16, 12, 1024, 64), (8, 16, 1024, 64), (4, 32, 2048, 128)])
-def test_attention_fwd_tma_agrees_with_the_default_forward_at_the_papers_shapes(gpu, rng, monkeypatch, shape):
+@pytest.mark.parametrize("variant", ["tma", "tma-pingpong"])
+def test_attention_fwd_tma_agrees_with_the_one_warpgroup_forward_at_the_papers_shapes(gpu, rng, monkeypatch,
+                                                                                     shape, variant):
     """At the paper's whole shapes (too large for the float64 reference) against the one-warpgroup kernel."""
     q, k, v = (gpu.asarray(rand(shape, ml_dtypes.bfloat16, rng)) for _ in range(3))
     scale = 1.0 / math.sqrt(shape[-1])
     monkeypatch.setenv("KILN_ATTENTION_FWD", "wgmma")
     ref, rlse = (gpu.to_numpy(a).astype(np.float64) for a in gpu.attention_fwd(q, k, v, scale))
-    monkeypatch.setenv("KILN_ATTENTION_FWD", "tma-pingpong")
+    monkeypatch.setenv("KILN_ATTENTION_FWD", variant)
     out, lse = gpu.attention_fwd(q, k, v, scale)
     close(gpu, out, ref, ml_dtypes.bfloat16)
     close(gpu, lse, rlse, np.float32, factor=5)
@@ -469,15 +473,31 @@ def test_attention_fwd_tma_reads_packed_views_and_is_bitwise_repeatable(gpu, rng
             assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_fwd_reads_a_broadcast_k_and_v_that_tma_cannot_map(gpu, rng, tma, d):
+    """k and v broadcast over the heads (stride 0, as an expanded grouped-query k/v would be): TMA cannot
+    map a zero stride, so the TMA variants run the one-warpgroup kernel, which reads it in place."""
+    xp = gpu.xp
+    q = rand((2, 4, 200, d), ml_dtypes.bfloat16, rng)
+    k1, v1 = (rand((2, 1, 200, d), ml_dtypes.bfloat16, rng) for _ in range(2))
+    k, v = (xp.broadcast_to(gpu.asarray(a), q.shape) for a in (k1, v1))
+    assert k.strides[1] == 0
+    out, lse = gpu.attention_fwd(gpu.asarray(q), k, v, 0.125)
+    rout, rlse = cpu.attention_fwd(f64(q), f64(np.broadcast_to(k1, q.shape)), f64(np.broadcast_to(v1, q.shape)), 0.125)
+    close(gpu, out, rout, ml_dtypes.bfloat16)
+    close(gpu, lse, rlse, np.float32, factor=5)
+
+
 def test_attention_fwd_variant_is_named_by_the_environment(monkeypatch):
     from kiln.backend.cuda.attention import fwd_variant
     from kiln.errors import ConfigError
     monkeypatch.delenv("KILN_ATTENTION_FWD", raising=False)
+    assert fwd_variant() == "tma-pingpong"
+    monkeypatch.setenv("KILN_ATTENTION_FWD", "wgmma")
     assert fwd_variant() == "wgmma"
-    monkeypatch.setenv("KILN_ATTENTION_FWD", "tma")
-    assert fwd_variant() == "tma"
     monkeypatch.setenv("KILN_ATTENTION_FWD", "fa3")
-    with pytest.raises(ConfigError, match="one of wgmma, tma, tma-pingpong, got 'fa3'"):
+    with pytest.raises(ConfigError, match="one of tma-pingpong, tma, wgmma, got 'fa3'"):
         fwd_variant()
 
 

@@ -1694,6 +1694,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         mbar_wait(q_full, job & 1);
         u32 qa[D / 16][4];
         frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
+        // Q was read through the generic proxy and the producer's next TMA rewrites it through the async
+        // one: the memory model asks for a proxy fence between them (the mbarrier alone orders the threads)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty);
         float o[D / 8][4];
         zero_acc(o);
