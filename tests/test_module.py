@@ -179,7 +179,8 @@ def test_cuda_recomputed_norms_and_gelus_over_an_fp32_residual_give_the_same_gra
     bf16>) makes the bits the forward's add+LayerNorm kernel made, at a generic width and a register one.
     The plain MLP's GELU is kiln's kernel here too: by default it rides in cuBLASLt's GEMM epilogue, whose
     GELU is another approximation than the kernel GELULinear remakes it with (not bit-equal)."""
-    from kiln.backend.cuda import matmul
+    import importlib
+    matmul = importlib.import_module("kiln.backend.cuda.matmul")  # the module: kiln.backend.cuda.matmul is the op
 
     class EveryShape(set):
         def __contains__(self, key):
