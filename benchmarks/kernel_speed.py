@@ -44,31 +44,49 @@ def write_rows(benchmark: str, torch, args, rows: list) -> None:
                ROOT / "benchmarks" / "results" / benchmark / f"{benchmark}-{datetime.date.today()}.json")
 
 
+def _event_ms(run, iters: int, stream_kind: str) -> list:
+    """Milliseconds of each of `iters` calls of run(), between two events on the stream its work goes to
+    (kiln's, or torch's current one)."""
+    times = []
+    if stream_kind == "kiln":
+        import cupy
+
+        from kiln.backend.cuda import device
+        s = device.stream()
+        for _ in range(iters):
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(s)
+            run()
+            b.record(s)
+            b.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(a, b))
+    else:
+        import torch
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    return times
+
+
 def graph_ms(fn, iters: int, stream_kind: str, reps: int = 10, warmup: int = 3) -> float:
     """GPU milliseconds of one call: `reps` calls recorded as one CUDA graph (kiln's capture, or
     torch.cuda.graph), the graph replayed `iters` times between events, the median replay / reps.
     Neither side's host launch cost counts (a training step replays its graph the same way); timed
     call by call instead, a kernel of 0.1 ms reads as the Python that launches it (0.25 ms for kiln)."""
-    if stream_kind == "kiln":
-        import cupy
+    def calls():
+        for _ in range(reps):
+            fn()  # its outputs freed at once: the next call reuses them, as a step's layers do
 
-        from kiln.backend.cuda import device, graph
+    if stream_kind == "kiln":
+        from kiln.backend.cuda import graph
         for _ in range(warmup):
             fn()
-        def calls():
-            for _ in range(reps):
-                fn()  # its outputs freed at once: the next call reuses them, as a step's layers do
-
         g = graph.capture(calls)
-        s = device.stream()
-        times = []
-        for _ in range(iters):
-            a, b = cupy.cuda.Event(), cupy.cuda.Event()
-            a.record(s)
-            g.launch()
-            b.record(s)
-            b.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(a, b) / reps)
+        times = _event_ms(g.launch, iters, stream_kind)
         g.release()
     else:
         import torch
@@ -80,50 +98,17 @@ def graph_ms(fn, iters: int, stream_kind: str, reps: int = 10, warmup: int = 3) 
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / reps)
+            calls()
+        times = _event_ms(g.replay, iters, stream_kind)
         del g
-    return float(np.median(times))
+    return float(np.median(times)) / reps
 
 
 def median_ms(fn, iters: int, stream_kind: str, warmup: int = 3) -> float:
     """Median over `iters` of one call, timed with events on the stream the work runs on."""
-    if stream_kind == "kiln":
-        import cupy
-
-        from kiln.backend.cuda import device
-        s = device.stream()
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            a, b = cupy.cuda.Event(), cupy.cuda.Event()
-            a.record(s)
-            fn()
-            b.record(s)
-            b.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(a, b))
-    else:
-        import torch
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    return float(np.median(times))
+    for _ in range(warmup):
+        fn()
+    return float(np.median(_event_ms(fn, iters, stream_kind)))
 
 
 def _torch_dtype(dtype):
