@@ -257,6 +257,41 @@ def test_a_capture_starts_from_an_empty_cache_so_a_full_device_still_captures(mo
     assert captured.result in captured.pool.blocks and drv.used == 8192
 
 
+@pytest.mark.parametrize("failing", ["step", "end_capture", "upload"])
+def test_a_capture_that_fails_gives_its_pool_back_as_a_graph_capture_error(monkeypatch, failing):
+    """However recording fails. cudaStreamEndCapture alone reports a side stream never joined back into
+    the capture (an NCCL collective whose event the step never waited on); a failure there or in the
+    upload kept the capture's pool for a graph that does not exist, and the raw CUDA error escaped
+    the Trainer's op-by-op fallback."""
+    from kiln.backend.cuda import allocator, device, graph
+    from kiln.errors import GraphCaptureError
+    stream = FakeStream()
+    a, drv = _full_of_cached_blocks(stream)
+    monkeypatch.setattr(allocator, "_installed", a)
+    monkeypatch.setattr(device, "stream", lambda: stream)
+    error = RuntimeError("cudaErrorStreamCaptureUnjoined")
+
+    def fail(*args, **kwargs):
+        stream.capturing = False
+        raise error
+    if failing == "end_capture":
+        monkeypatch.setattr(stream, "end_capture", fail)
+    elif failing == "upload":
+        monkeypatch.setattr(stream, "end_capture", lambda: type("FakeGraph", (), {"upload": fail})())
+    kept = []
+
+    def step():
+        kept.append(a.malloc(8192))
+        if failing == "step":
+            raise error
+    with pytest.raises(GraphCaptureError, match="cudaErrorStreamCaptureUnjoined") as raised:
+        graph.capture(step)
+    assert raised.value.__cause__ is error
+    assert a.memory_stats()["graph_pool_bytes"] == 0 and a.integrity_problems() == []
+    a.free(kept.pop())  # fn's result, dropped by the caller: eager cache now, not a pool's
+    assert a.release_unused() == 8192 and drv.used == 0
+
+
 def _a_victim_and_a_freed_graph_block():
     """(driver, allocator, a live eager block, a graph's pool, that pool's freed block): what the
     finalizers of the deadlock tests free and release."""

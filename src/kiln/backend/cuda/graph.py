@@ -54,25 +54,36 @@ def capture(fn) -> CapturedGraph:
     # what the graph needs is new cudaMallocs, which the relaxed capture mode allows.
     alloc.release_unused()
     pool = allocator.GraphPool()
+    failure = None
     with alloc.capture_into(pool):
         s.begin_capture()
         try:
             result = fn()
         except BaseException as e:
-            try:
-                s.end_capture()
-            except Exception:  # the capture was already invalidated by the failure
-                pass
+            failure = e
+        try:  # also after fn failed: the stream must leave capture mode
+            # A side stream that never joined back (cudaErrorStreamCaptureUnjoined) is reported here only
+            graph = s.end_capture()
+        except BaseException as e:
+            failure = failure or e  # after fn's failure, the invalidated capture's error says nothing new
+        if failure is not None:
             # What the failed step allocated (its activations, its gradients) is held by the
-            # traceback's frames, some in reference cycles: free it now, into the pool, and give the
-            # pool to the eager cache. Left to a later collection, the step that runs op by op after
+            # traceback's frames, some in reference cycles: free it now, into the pool, which the
+            # eager cache gets below. Left to a later collection, the step that runs op by op after
             # the failure found the device full (the 76-layer fp32 model OOMed so on the H200).
-            traceback.clear_frames(e.__traceback__)
+            traceback.clear_frames(failure.__traceback__)
             gc.collect()
-            alloc.release_pool(pool)
-            raise GraphCaptureError(f"recording the step as a CUDA graph failed: {type(e).__name__}: {e}. "
-                                    "Something in the step synchronises with the host or cannot be "
-                                    "captured; run it without the graph (cuda_graph=False)") from e
-        graph = s.end_capture()
-    graph.upload(stream=s)
+    if failure is None:
+        try:
+            graph.upload(stream=s)
+        except BaseException as e:
+            failure = e
+    if failure is not None:
+        # No CapturedGraph will release this pool, so its segments would stay reserved for good. It is
+        # released after capture_into has left: a free arriving while the pool is still the capture's
+        # (a collection, another thread) would move an eager block into the released pool.
+        alloc.release_pool(pool)
+        raise GraphCaptureError(f"recording the step as a CUDA graph failed: {type(failure).__name__}: {failure}. "
+                                "Something in the step synchronises with the host or cannot be "
+                                "captured; run it without the graph (cuda_graph=False)") from failure
     return CapturedGraph(graph, pool, result)
