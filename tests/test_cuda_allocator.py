@@ -244,6 +244,34 @@ def test_out_of_memory_while_capturing_raises_without_touching_the_driver():
     assert drv.used == 3 * 4096 and a.memory_stats()["num_ooms"] == 1  # the cache is still there
 
 
+def test_out_of_memory_in_a_host_written_block_of_a_capture_raises_without_touching_the_driver():
+    """host_written() serves from the eager cache, but the stream still captures: an OOM there gave the
+    cache back (device sync, cudaFree), which CUDA refuses mid-capture, and the capture was lost to a
+    CUDA error instead of failing as out of memory."""
+    stream = FakeStream()
+    a, drv = _full_of_cached_blocks(stream)  # as an older graph released during the capture leaves it
+    stream.begin_capture()
+    with a.capture_into(GraphPool()):
+        with a.host_written():
+            with pytest.raises(OutOfMemoryError, match="while a CUDA graph was captured"):
+                a.malloc(8192)
+    assert drv.used == 3 * 4096 and a.memory_stats()["num_ooms"] == 1
+
+
+def test_an_eager_block_freed_in_a_host_written_block_of_a_capture_stays_with_the_graph():
+    drv = FakeDriver()
+    a = CachingAllocator(drv.malloc, drv.free, record=False)
+    before, pool = a.malloc(4096), GraphPool()  # the graph being recorded may read it
+    with a.capture_into(pool):
+        with a.host_written():
+            a.free(before)
+            with pytest.raises(KilnError, match="nest"):
+                with a.capture_into(GraphPool()):
+                    pass
+            assert a.integrity_problems() == []
+    assert before in pool.blocks and a.malloc(4096) != before
+
+
 def test_a_capture_starts_from_an_empty_cache_so_a_full_device_still_captures(monkeypatch):
     """The 76-layer fp32 step's failure (cudaErrorStreamCaptureUnsupported): its capture needed a size the
     eager cache lacked on a full device, and giving the cache back inside the capture is refused.

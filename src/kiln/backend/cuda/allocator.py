@@ -230,7 +230,8 @@ class CachingAllocator:
         self._segments: dict = {}  # base ptr -> (its first block, size): what the driver gave
         self._live: dict = {}   # ptr -> (block, requested size, trace id)
         self._trace = [] if record else None
-        self._capturing: GraphPool | None = None
+        self._capturing: GraphPool | None = None  # the pool new blocks go to (None inside host_written)
+        self._capture: GraphPool | None = None  # the capture in progress: its stream captures, host_written or not
         self._pools: list = []  # pools of graphs that can still be replayed
         self._next_id = 0
         self.learned: dict | None = None
@@ -289,10 +290,10 @@ class CachingAllocator:
                 return
             block, size, ident = got
             r = block.size
-            if block.owner is self._eager and self._capturing is not None:
+            if block.owner is self._eager and self._capture is not None:
                 # the graph being captured may have recorded reads of it: it keeps the block
-                block.owner = self._capturing
-                self._capturing.blocks[block.ptr] = block
+                block.owner = self._capture
+                self._capture.blocks[block.ptr] = block
             self._cache(block)
             if self._trace is not None and ident is not None:
                 self._trace.append(("free", ident, 0))
@@ -356,10 +357,11 @@ class CachingAllocator:
         try:
             ptr = self._driver_malloc(seg, device_id)
         except MemoryError:
-            if self._capturing is not None:
+            if self._capture is not None:  # host_written() too: the stream still captures
                 # Giving the cache back needs cudaDeviceSynchronize and cudaFree, which a capturing
                 # stream refuses (cudaErrorStreamCaptureUnsupported, and the capture is lost);
-                # graph.capture returns the cache before it starts, so there is nothing to give.
+                # graph.capture returns the cache before it starts, so there is little to give (a
+                # graph released during the capture leaves some), and it fails this capture cleanly.
                 self._stats["num_ooms"] += 1
                 raise OutOfMemoryError(
                     f"out of device memory allocating {size} bytes (rounded to {r}) on cuda:{device_id} while "
@@ -431,14 +433,14 @@ class CachingAllocator:
         """While a graph is captured: blocks come from `pool` (or from the eager cache's free blocks, which
         become the pool's) and are freed into it; the eager cache never gets them back before release_pool."""
         with self._locked():
-            if self._capturing is not None:
+            if self._capture is not None:
                 raise KilnError("a CUDA graph is already being captured; captures do not nest")
-            self._capturing = pool
+            self._capture = self._capturing = pool
         try:
             yield pool
         finally:
             with self._locked():
-                self._capturing = None
+                self._capture = self._capturing = None
                 if pool.blocks and pool not in self._pools:
                     self._pools.append(pool)
 
@@ -513,7 +515,7 @@ class CachingAllocator:
         counts equal the blocks'."""
         with self._locked():
             bad = []
-            owners = [self._eager] + self._pools + ([self._capturing] if self._capturing not in (None, *self._pools) else [])
+            owners = [self._eager] + self._pools + ([self._capture] if self._capture not in (None, *self._pools) else [])
             cached = {}
             for owner in owners:
                 for b in owner.free_blocks():
