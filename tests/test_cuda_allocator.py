@@ -598,6 +598,35 @@ def test_a_block_lent_to_cupy_comes_back_however_its_memory_dies():
     assert empty.ptr == 0 and a.memory_stats()["num_allocs"] == 2
 
 
+def test_a_block_dropped_at_interpreter_exit_does_not_wait_for_a_frozen_daemon_thread():
+    """A daemon thread (the NCCL watchdog, the store) frozen at exit inside a locked section holds the
+    allocator's lock for good; a lease the exit's collection finalizes then waited on it forever."""
+    import subprocess
+    import sys
+    script = """if True:
+        import gc, threading, time
+        from kiln.backend.cuda.allocator import CachingAllocator, _Lease
+
+        alloc = CachingAllocator(lambda size, device_id: 1 << 20, lambda ptr, device_id: None, record=False)
+        cycle = [_Lease(alloc, alloc.malloc(4096), 0)]
+        cycle.append(cycle)  # freed by the collection at exit
+        del cycle
+        gc.disable()
+        locked = threading.Event()
+
+        def frozen_in_free():
+            alloc._lock.acquire()
+            locked.set()
+            time.sleep(3600)
+        threading.Thread(target=frozen_in_free, daemon=True).start()
+        locked.wait()
+    """
+    try:
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the interpreter's exit hung in a lease's free")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not __import__("kiln").cuda_is_available(), reason="needs an NVIDIA GPU and CuPy")
 def test_cuda_an_array_collected_in_a_cycle_gives_its_block_back():

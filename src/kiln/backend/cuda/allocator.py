@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import sys
 import threading
 
 from kiln.errors import KilnError
@@ -610,8 +611,12 @@ class _Lease:
     def __init__(self, alloc: CachingAllocator, ptr: int, device_id: int):
         self.alloc, self.ptr, self.device_id = alloc, ptr, device_id
 
-    def __del__(self):
-        self.alloc.free(self.ptr, self.device_id)
+    def __del__(self, _finalizing=sys.is_finalizing):  # bound now: module teardown may have cleared `sys`
+        # At interpreter exit the process gives all device memory back anyway, and a daemon thread
+        # (the NCCL watchdog, the store) frozen there inside a locked section holds the allocator's
+        # lock for good: taking it would hang the exit.
+        if not _finalizing():
+            self.alloc.free(self.ptr, self.device_id)
 
 
 def cupy_malloc(alloc: CachingAllocator, memory, get_device):
