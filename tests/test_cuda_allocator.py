@@ -389,6 +389,26 @@ def test_a_finalizer_between_taking_the_lock_and_entering_the_section_does_not_d
     assert a.malloc(4096) == victim and a.malloc(8192) == captured  # both came back to the eager cache
 
 
+def test_a_deferred_free_that_raises_does_not_cost_malloc_its_block():
+    """A finalizer's free deferred inside malloc ran as malloc left its locked section; its error (here
+    an observer's) replaced malloc's result, so the block malloc had just handed out was leaked."""
+    drv, a, victim, pool, captured = _a_victim_and_a_freed_graph_block()
+
+    def observer(event, ptr, requested, rounded):
+        if event == "free":
+            raise ValueError("the profiler's timeline broke")
+    a.observers.append(observer)
+
+    def collecting_malloc(size, device_id):  # the garbage collector frees `victim` inside malloc
+        a.free(victim)
+        return drv.malloc(size, device_id)
+    a._driver_malloc = collecting_malloc
+    with pytest.warns(RuntimeWarning, match="deferred from a finalizer failed: ValueError: the profiler's timeline"):
+        p = a.malloc(1 << 20)
+    assert a._live[p][0].ptr == p and a.integrity_problems() == []
+    assert a.memory_stats()["allocated_bytes"] == a.rounding(1 << 20)  # victim's free was done
+
+
 MIB = 1 << 20
 
 

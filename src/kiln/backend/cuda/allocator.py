@@ -44,6 +44,7 @@ import bisect
 import contextlib
 import sys
 import threading
+import warnings
 
 from kiln.errors import KilnError
 
@@ -271,14 +272,14 @@ class CachingAllocator:
                 if len(self._trace) >= MAX_TRACE_EVENTS:
                     self._trace = None  # end_warmup never came: keep the sizes bounded
             self._live[block.ptr] = (block, size, ident)
-            for observer in self.observers:
-                observer("alloc", block.ptr, size, r)
             st = self._stats
             st["num_allocs"] += 1
             st["allocated_bytes"] += r
             st["requested_bytes"] += size
             st["peak_allocated_bytes"] = max(st["peak_allocated_bytes"], st["allocated_bytes"])
             st["peak_requested_bytes"] = max(st["peak_requested_bytes"], st["requested_bytes"])
+            for observer in self.observers:  # last: one that raises leaves the bookkeeping whole
+                observer("alloc", block.ptr, size, r)
             return block.ptr
 
     def free(self, ptr: int, device_id: int = 0) -> None:
@@ -298,12 +299,12 @@ class CachingAllocator:
             self._cache(block)
             if self._trace is not None and ident is not None:
                 self._trace.append(("free", ident, 0))
-            for observer in self.observers:
-                observer("free", ptr, size, r)
             st = self._stats
             st["num_frees"] += 1
             st["allocated_bytes"] -= r
             st["requested_bytes"] -= size
+            for observer in self.observers:  # last: one that raises leaves the bookkeeping whole
+                observer("free", ptr, size, r)
 
     def _split(self, block: _Block, size: int) -> None:
         """Cut a large block to `size` bytes; the rest is a free block of the same owner after it."""
@@ -410,7 +411,15 @@ class CachingAllocator:
                     self._draining = True                # hundreds of frees, and nesting would recurse
                     try:
                         while self._deferred:
-                            self._deferred.pop(0)()  # depth 0 again: the deferred call runs now
+                            call = self._deferred.pop(0)
+                            try:
+                                call()  # depth 0 again: the deferred call runs now
+                            except Exception as e:
+                                # A finalizer's error, which Python reports and ignores: raised here it
+                                # would replace this section's result (malloc's block, leased to no one,
+                                # leaked). A warning, not sys.excepthook: distributed runs abort on that.
+                                warnings.warn(f"an allocator call deferred from a finalizer failed: "
+                                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=1)
                     finally:
                         self._draining = False
 
