@@ -170,3 +170,44 @@ def test_store_channel_exchanges_among_threads_as_ranks():
         for c in clients:
             c.close()
         server.close()
+
+
+class _FakeCommunicator:
+    """The backend's NCCL communicator: every collective queues nothing and returns its 'done' event."""
+
+    def __init__(self, uid, size, rank):
+        self.events = []
+
+    def async_error(self):
+        return None
+
+    def __getattr__(self, verb):
+        def launch(*operands):
+            self.events.append({"done": False})
+            return self.events[-1]
+        return launch
+
+
+@pytest.mark.parametrize("how", ["wait", "is_completed", "synchronize"])
+def test_an_nccl_collective_keeps_its_operands_until_it_is_waited_on(monkeypatch, how):
+    """NCCL reads and writes a collective's buffers on its own stream after the call returns: dropped
+    before the Work is waited on, a buffer went back to the caching allocator, which gave it to the
+    compute stream's next request while NCCL still wrote into it."""
+    import weakref
+
+    from kiln.backend.cuda import nccl
+    from kiln.distributed.nccl_engine import NCCLEngine, SelfChannel
+    monkeypatch.setattr(nccl, "Communicator", _FakeCommunicator)
+    monkeypatch.setattr(nccl, "unique_id", lambda: bytes(128))
+    monkeypatch.setattr(nccl, "event_done", lambda event: event["done"])
+    monkeypatch.setattr(nccl, "wait_event", lambda event: None)  # the compute stream waits on it
+    engine = NCCLEngine(SelfChannel(), 0, 1, timeout=5)
+    send, recv = np.ones(4, np.float32), np.zeros(4, np.float32)
+    alive = [weakref.ref(send), weakref.ref(recv)]
+    work = engine.send_recv(send, 0, recv, 0)
+    del send, recv
+    assert all(ref() is not None for ref in alive)
+    assert not work.is_completed() and all(ref() is not None for ref in alive)
+    engine.comm.events[-1]["done"] = how != "wait"  # wait() orders the compute stream, done or not
+    getattr(work, how)()
+    assert all(ref() is None for ref in alive)

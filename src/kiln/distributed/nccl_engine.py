@@ -83,7 +83,7 @@ class NCCLEngine:
         if size > 1:
             threading.Thread(target=self._watch, name="kiln-nccl-watchdog", daemon=True).start()
 
-    def _work(self, what: str, launch) -> Work:
+    def _work(self, what: str, launch, *operands) -> Work:
         if self.broken:
             raise DistributedError(f"rank {self.rank}: this process group failed before; it cannot run {what}")
         event = launch()
@@ -91,7 +91,7 @@ class NCCLEngine:
         if not capturing():
             with self._lock:
                 self._inflight.append((event, time.monotonic(), what))
-        return Work(self, what, lambda: self.nccl.event_done(event), event=event)
+        return Work(self, what, lambda: self.nccl.event_done(event), event=event, keep=operands)
 
     def _watch(self) -> None:
         from kiln.graph import capturing
@@ -115,35 +115,37 @@ class NCCLEngine:
 
     def all_reduce(self, array, op: str) -> Work:
         return self._work(f"all_reduce({op}) of {array.size} {array.dtype}",
-                          lambda: self.comm.all_reduce(array, array, op))
+                          lambda: self.comm.all_reduce(array, array, op), array)
 
     def reduce_scatter(self, output, input, op: str) -> Work:
         return self._work(f"reduce_scatter({op}) of {input.size} {input.dtype}",
-                          lambda: self.comm.reduce_scatter(input, output, op))
+                          lambda: self.comm.reduce_scatter(input, output, op), output, input)
 
     def reduce_scatter_all_gather(self, array, op: str) -> Work:
         return self._work(f"reduce_scatter_all_gather({op}) of {array.size} {array.dtype}",
-                          lambda: self.comm.reduce_scatter_all_gather(array, op))
+                          lambda: self.comm.reduce_scatter_all_gather(array, op), array)
 
     def all_gather(self, output, input) -> Work:
-        return self._work(f"all_gather of {input.size} {input.dtype}", lambda: self.comm.all_gather(input, output))
+        return self._work(f"all_gather of {input.size} {input.dtype}", lambda: self.comm.all_gather(input, output),
+                          output, input)
 
     def broadcast(self, array, src: int) -> Work:
         return self._work(f"broadcast from {src} of {array.size} {array.dtype}",
-                          lambda: self.comm.broadcast(array, src))
+                          lambda: self.comm.broadcast(array, src), array)
 
     def send(self, array, dst: int) -> Work:
-        return self._work(f"send to {dst} of {array.size} {array.dtype}", lambda: self.comm.send(array, dst))
+        return self._work(f"send to {dst} of {array.size} {array.dtype}", lambda: self.comm.send(array, dst), array)
 
     def recv(self, array, src: int) -> Work:
-        return self._work(f"recv from {src} of {array.size} {array.dtype}", lambda: self.comm.recv(array, src))
+        return self._work(f"recv from {src} of {array.size} {array.dtype}", lambda: self.comm.recv(array, src), array)
 
     def send_recv(self, send, dst: int, recv, src: int) -> Work:
         return self._work(f"send_recv of {send.size} {send.dtype} to {dst}, from {src}",
-                          lambda: self.comm.send_recv(send, dst, recv, src))
+                          lambda: self.comm.send_recv(send, dst, recv, src), send, recv)
 
     def all_to_all(self, output, input) -> Work:
-        return self._work(f"all_to_all of {input.size} {input.dtype}", lambda: self.comm.all_to_all(input, output))
+        return self._work(f"all_to_all of {input.size} {input.dtype}", lambda: self.comm.all_to_all(input, output),
+                          output, input)
 
     def barrier(self) -> Work:
         from kiln.backend import get_backend

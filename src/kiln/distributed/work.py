@@ -47,11 +47,15 @@ def _abort_all() -> None:
 class Work:
     """A collective in flight. `wait()` makes its result usable by what comes next: on the CPU the
     host waits (up to the group's timeout, then DistributedError); on CUDA kiln's compute stream
-    waits on `event` and the host does not. `synchronize()` always blocks the host."""
+    waits on `event` and the host does not. `synchronize()` always blocks the host.
 
-    def __init__(self, engine, what: str, test, finish=None, event=None):
+    `keep`: the collective's operands, held until it completes or the compute stream is ordered after
+    it. On CUDA it reads and writes them on another stream after the call returns; dropped sooner,
+    their blocks would go back to the caching allocator, which hands them to the compute stream at once."""
+
+    def __init__(self, engine, what: str, test, finish=None, event=None, keep=()):
         self.engine, self.what, self.event = engine, what, event
-        self._test, self._finish, self._done = test, finish, False
+        self._test, self._finish, self._done, self._keep = test, finish, False, keep
         self._started = time.monotonic()
 
     def is_completed(self) -> bool:
@@ -60,7 +64,7 @@ class Work:
         return self._done
 
     def _complete(self) -> None:
-        self._done = True
+        self._done, self._keep = True, ()
         if self._finish is not None:
             self._finish()
 

@@ -23,7 +23,11 @@ and its graph replays rely on.
 
 Every block is cached on free and reused at once: safe because all of kiln's work is ordered on its
 one stream (device.stream()). Memory handed to another stream (NCCL, a copy stream) must be
-ordered with events by its user. Only a segment that is wholly free goes back to the driver.
+ordered with events by its user, and stay referenced until the compute stream has waited on that
+stream's work: a freed block records no stream, so the compute stream's next request may get it
+while the other stream still uses it. NCCL's Work keeps its operands until it is waited on
+(kiln.distributed.work); one dropped unwaited (a prefetched FSDP gather freed without `_wait`)
+does not. Only a segment that is wholly free goes back to the driver.
 
 A captured CUDA graph replays into the addresses it was recorded with, long after Python freed
 them. So every block has an owner: the eager cache or the GraphPool of a graph. While a graph is
