@@ -320,6 +320,23 @@ def test_a_capture_that_fails_gives_its_pool_back_as_a_graph_capture_error(monke
     assert a.release_unused() == 8192 and drv.used == 0
 
 
+def test_ctrl_c_during_a_capture_gives_the_pool_back_and_stops_the_run(monkeypatch):
+    """A KeyboardInterrupt while the step records is not a capture failure to run op by op after (the
+    Trainer's fallback takes GraphCaptureError): the pool goes back and the interrupt goes on."""
+    from kiln.backend.cuda import allocator, device, graph
+    stream = FakeStream()
+    a, drv = _full_of_cached_blocks(stream)
+    monkeypatch.setattr(allocator, "_installed", a)
+    monkeypatch.setattr(device, "stream", lambda: stream)
+
+    def step():
+        a.malloc(8192)
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        graph.capture(step)
+    assert a.memory_stats()["graph_pool_bytes"] == 0 and a.integrity_problems() == []
+
+
 def _a_victim_and_a_freed_graph_block():
     """(driver, allocator, a live eager block, a graph's pool, that pool's freed block): what the
     finalizers of the deadlock tests free and release."""

@@ -96,6 +96,22 @@ def test_fsdp_gathers_a_unit_only_while_it_is_used_and_frees_its_memory(world):
     assert all(p.data.strides == (0,) * p.ndim for p in model.parameters())  # zero bytes each
 
 
+def test_fsdp_waits_for_a_prefetched_gather_before_freeing_its_buffers(world):
+    """A unit freed while its prefetched all-gather is still in flight (never waited on): on CUDA the
+    gather's buffer would go back to the caching allocator, and to the compute stream's next request,
+    while NCCL still writes it; _free makes the compute stream wait on the gather first."""
+    model = _tiny(1, n_layer=2)
+    fsdp = dist.FullyShardedDataParallel(model, AdamW(model.parameters()))
+    unit = fsdp.units[1]
+    fsdp._gather(unit)
+    waited = []
+    for _, work in unit.gathers:
+        wait = work.wait
+        work.wait = lambda wait=wait: waited.append(wait())
+    fsdp._free(unit)
+    assert len(waited) == len(unit.shards) > 0 and unit.gathers is None
+
+
 def test_fsdp_in_bf16_keeps_no_cast_copy_of_a_weight_from_forward_to_backward(world):
     # bf16 compute over fp32 weights: each layer multiplies by a bf16 cast of its weight, which its
     # backward needs again. One process keeps those casts from forward to backward; FSDP keeps a

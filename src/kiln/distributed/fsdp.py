@@ -173,6 +173,11 @@ class FullyShardedDataParallel:
             xp = p.backend.xp
             p.data = xp.broadcast_to(xp.zeros((), p.dtype.np), p.shape)
             p.kept = None  # a compute-dtype copy kept across steps would hold the whole parameter again
+        if u.gathers is not None and not u.gathered:
+            # a prefetch never waited on: its buffers go back to the allocator below, which would hand
+            # them to the compute stream while NCCL still writes them; the compute stream waits first
+            for _, work in u.gathers:
+                work.wait()
         u.gathers, u.gathered = None, False
 
     def _pack(self, t):
