@@ -10,7 +10,8 @@ until 2026-12-05 each call was timed alone, which for kiln counted ~0.25 ms of P
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
 choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
 (KILN_ATTENTION_FWD: tma-pingpong, the default, and tma, flash-attention 3's structure, or wgmma) against the same
-SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, or fused);
+SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, or fused;
+KILN_ATTENTION_DKDV_TILES, read at import, sets the dK/dV kernel's tiles and is recorded in each row);
 rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
 half: forward 4 B H T^2 D / 2, backward 2.5x that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).
 """
@@ -84,7 +85,7 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
                 os.environ["KILN_ATTENTION_BWD"] = bwd_kernel
             kms = graph_ms(kfn, iters, "kiln")
             row = {"op": op, "dtype": np.dtype(dtype).name, "shape": list(shape), "fwd_kernel": fwd_kernel,
-                   "bwd_kernel": bwd_kernel, "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
+                   "bwd_kernel": bwd_kernel, "dkdv_tiles": os.environ.get("KILN_ATTENTION_DKDV_TILES", ""), "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
                    "torch_tflops": flops / tms / 1e9, "ratio": tms / kms}
             print(f"{'x'.join(map(str, shape)):18s} {op:8s} {row['dtype']:9s} {fwd_kernel or '-':12s} "
                   f"{bwd_kernel or '-':6s} {kms:9.3f} {tms:9.3f} {row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} "
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtypes", default="bf16", help="comma-separated: " + ",".join(DTYPES))
-    p.add_argument("--fwd", default="wgmma", help="comma-separated bf16/fp16 forward kernels: wgmma,tma")
+    p.add_argument("--fwd", default="tma-pingpong",
+                   help="comma-separated bf16/fp16 forward kernels: tma-pingpong,tma,wgmma")
     p.add_argument("--bwd", default="split", help="comma-separated bf16/fp16 backwards: split,fused")
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
     args = p.parse_args(argv)

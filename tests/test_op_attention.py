@@ -501,6 +501,19 @@ def test_attention_fwd_variant_is_named_by_the_environment(monkeypatch):
         fwd_variant()
 
 
+def test_attention_dkdv_tiles_are_the_defaults_or_what_the_tuning_knob_names(monkeypatch):
+    from kiln.backend.cuda.attention import _dkdv_tiles
+    from kiln.errors import ConfigError
+    monkeypatch.delenv("KILN_ATTENTION_DKDV_TILES", raising=False)
+    assert _dkdv_tiles() == {64: (64, 1), 128: (16, 1)}
+    monkeypatch.setenv("KILN_ATTENTION_DKDV_TILES", "64:32x3, 128:32x1")
+    assert _dkdv_tiles() == {64: (32, 3), 128: (32, 1)}
+    for bad in ("64:48x1", "96:32x1", "64:32", "64:32x5", "x"):
+        monkeypatch.setenv("KILN_ATTENTION_DKDV_TILES", bad)
+        with pytest.raises(ConfigError, match="HEAD_DIM:ROWSxBLOCKS"):
+            _dkdv_tiles()
+
+
 def test_attention_fwd_tma_fits_in_shared_memory():
     """Q, the K/V stages and the mbarriers fit the H200's 227 KiB of shared memory a block, with the
     1024 bytes that align the swizzled tiles."""

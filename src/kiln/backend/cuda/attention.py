@@ -26,7 +26,8 @@ The bfloat16/float16 backward is, by default, three kernels (delta = rowsum(dO·
 blocks; dQ by query blocks, S and dP computed in both). KILN_ATTENTION_BWD=fused (head dims 64 and
 128) runs delta and one kernel for dK, dV and dQ (`attention_bwd_fused_tc`: the key-block walk adds
 each tile's dQ into an fp32 accumulator, the key blocks of a query tile in a fixed order behind a
-semaphore, so the result is bitwise repeatable).
+semaphore, so the result is bitwise repeatable). KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import)
+sets the dK/dV kernel's query rows a tile and the resident blocks it asks ptxas for, per head dim.
 """
 
 from __future__ import annotations
@@ -47,7 +48,29 @@ F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
 BWD_VARIANTS = ("split", "fused")  # KILN_ATTENTION_BWD: the bf16/fp16 backward kernels
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
-DKDV_Q = {32: 64, 64: 64, 128: 16}  # query rows per tile of dK/dV and of the fused kernel (TcShape::dkdv_q)
+
+
+def _dkdv_tiles(env: str = "KILN_ATTENTION_DKDV_TILES") -> dict:
+    """{head dim: (query rows a tile, resident blocks an SM asked of ptxas)} of the dK/dV kernel (and the
+    fused one's rows): 64 rows at D <= 64 and 16 at D = 128 (both accumulators, K and V fragments in
+    registers: more rows spill), no bound; or what the tuning knob says, e.g. "64:32x3,128:32x1"."""
+    tiles = {64: (64, 1), 128: (16, 1)}
+    for part in filter(None, os.environ.get(env, "").replace(" ", "").split(",")):
+        try:
+            d, rows_blocks = part.split(":")
+            rows, blocks = rows_blocks.split("x")
+            d, rows, blocks = int(d), int(rows), int(blocks)
+        except ValueError:
+            d = rows = blocks = None
+        if d not in tiles or rows not in (16, 32, 64) or blocks not in (1, 2, 3, 4):
+            raise ConfigError(f"{env}={os.environ[env]!r}: each part is HEAD_DIM:ROWSxBLOCKS with head dim 64 "
+                              f"(also 32's) or 128, rows 16, 32 or 64 and blocks 1-4, e.g. '64:32x3,128:32x1'")
+        tiles[d] = (rows, blocks)
+    return tiles
+
+
+DKDV_TILES = _dkdv_tiles()
+DKDV_Q = {32: DKDV_TILES[64][0], 64: DKDV_TILES[64][0], 128: DKDV_TILES[128][0]}  # TcShape::dkdv_q
 TMA_HEAD_DIMS = (64, 128)
 TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer warpgroups (kTmaThreads)
 TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
@@ -79,6 +102,7 @@ def _instantiations():
 register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS,
     "KILN_ATTN_DKDV_Q": DKDV_Q[64], "KILN_ATTN_DKDV_Q_D128": DKDV_Q[128],
+    "KILN_ATTN_DKDV_BLOCKS": DKDV_TILES[64][1], "KILN_ATTN_DKDV_BLOCKS_D128": DKDV_TILES[128][1],
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
     "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
     "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS})

@@ -903,6 +903,8 @@ template <int D> struct TcShape {
     static constexpr int fwd_blocks = D == 64 ? 3 : 1;
     // And dQ at D = 64: 3 (it uses 176 registers without the bound, 2 blocks).
     static constexpr int dq_blocks = D == 64 ? 3 : 1;
+    // dK/dV asks for none by default (KILN_ATTENTION_DKDV_TILES, a tuning knob, may ask)
+    static constexpr int dkdv_blocks = D >= 128 ? KILN_ATTN_DKDV_BLOCKS_D128 : KILN_ATTN_DKDV_BLOCKS;
 };
 
 template <typename T, int D>
@@ -1029,7 +1031,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
 // dK, dV for one block of 64 keys (each warp 16), walking the query tiles that see it:
 // Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ - lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ - delta), dK += dSᵀ·Q.
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_bwd_dkdv_tc(
+__global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attention_bwd_dkdv_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
     int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o),
