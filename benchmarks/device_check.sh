@@ -30,11 +30,14 @@
 # benchmark first: a call cut off at its limit keeps them),
 # ~10 minutes at most: a call of its own), attention-bwd-gpt2 (the bf16 GPT-2 step, kiln alone, fused then split, ~4 min),
 # largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off
-# and on, ~300-450 s: a call of its own), largest-tests (the in-backward step against the ordinary one, bit for bit),
+# and on, ~300-450 s: a call of its own), largest-h100 (the same on an 80 GB H100, scaled: PyTorch at 42 and 44
+# layers, where 16 bytes a parameter stop it, kiln at 53 layers, 1.2x 44's parameters), largest-tests (the in-backward step against the ordinary one, bit for bit),
 # attention (issue 14: the fused backward's masking and graph-replay tests, then benchmarks/attention.py with every
 # forward and backward against SDPA, all graph-timed, ~5 min), attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
 # the forwards' ptxas report, a 2-minute smoke test, then benchmarks/attention.py with the three forwards against
 # SDPA and its tests, bf16, ~10 minutes at most: a call of its own),
+# attention-tiles (issue 14: the split dK/dV kernel under KILN_ATTENTION_DKDV_TILES, the default and two tilings:
+# the backward tests, benchmarks/attention.py --bwd split and kiln's bf16 GPT-2 step under each, ~4 min),
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
 # the heuristic's GEMM algorithms (kiln) beside the tuned ones (kiln-tuned, which tunes in its step 0 on this
 # fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s).
@@ -101,6 +104,8 @@ for p in "$@"; do
                    part allocator-replay-76 120 python3 benchmarks/allocator_trace.py \
                        --replay "$LOGS/capture76-trace.json" --capacity "${free:-150.7e9}" ;;
         largest) part largest_model 570 python3 benchmarks/largest_model.py ;;
+        largest-h100) part largest_model-h100 570 python3 benchmarks/largest_model.py --torch-layers 42,44 \
+                          --kiln-layers 53 --name "largest_model-$(date +%F)-h100" ;;
         largest-tests) part largest-tests 200 python3 -m pytest -q -m cuda -p no:cacheprovider \
                            tests/test_adamw_in_backward.py ;;
         attention-tma) part attention-tma-ptxas 60 python3 -c "from kiln.backend.cuda import attention, compiler; \
@@ -129,6 +134,17 @@ for p in "$@"; do
                        tests/test_op_attention.py -k "bwd_fused_masks or bwd_fused_replays"
                    part attention-bench 330 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong \
                        --bwd split,fused ;;
+        attention-tiles) for spec in "" "64:32x3,128:32x1" "64:32x2"; do  # each in its own processes: read at import
+                             tag=${spec:-default}; tag=${tag//[:,]/-}
+                             export KILN_ATTENTION_DKDV_TILES=$spec
+                             [ -z "$spec" ] || part "attention-tiles-tests-$tag" 120 python3 -m pytest -q -m cuda \
+                                 -p no:cacheprovider tests/test_op_attention.py -k "bwd and not fused"
+                             part "attention-tiles-bench-$tag" 120 python3 benchmarks/attention.py --bwd split \
+                                 --out "$LOGS/attention-tiles-$tag.json"
+                             part "attention-tiles-gpt2-$tag" 90 python3 benchmarks/gpt2_step.py --modes bf16 \
+                                 --frameworks kiln --steps 40 --warmup 10 --out "$LOGS/gpt2-tiles-$tag"
+                         done
+                         unset KILN_ATTENTION_DKDV_TILES ;;
         attention-bwd-gpt2) KILN_ATTENTION_BWD=fused part gpt2_step-bwd-fused 120 python3 benchmarks/gpt2_step.py \
                                 --modes bf16 --frameworks kiln --steps 40 --warmup 10
                             part gpt2_step-bwd-split 120 python3 benchmarks/gpt2_step.py --modes bf16 --frameworks kiln \

@@ -27,7 +27,8 @@ blocks; dQ by query blocks, S and dP computed in both). KILN_ATTENTION_BWD=fused
 128) runs delta and one kernel for dK, dV and dQ (`attention_bwd_fused_tc`: the key-block walk adds
 each tile's dQ into an fp32 accumulator, the key blocks of a query tile in a fixed order behind a
 semaphore, so the result is bitwise repeatable). KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import)
-sets the dK/dV kernel's query rows a tile and the resident blocks it asks ptxas for, per head dim.
+sets the split dK/dV kernel's query rows a tile and the resident blocks it asks ptxas for, per head dim
+(the fused kernel keeps its own: its dQᵀ products need 64 rows at D = 64).
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
 BWD_VARIANTS = ("split", "fused")  # KILN_ATTENTION_BWD: the bf16/fp16 backward kernels
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
+FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile, and the split dK/dV's by default
 
 
 def _dkdv_tiles(env: str = "KILN_ATTENTION_DKDV_TILES") -> dict:
-    """{head dim: (query rows a tile, resident blocks an SM asked of ptxas)} of the dK/dV kernel (and the
-    fused one's rows): 64 rows at D <= 64 and 16 at D = 128 (both accumulators, K and V fragments in
-    registers: more rows spill), no bound; or what the tuning knob says, e.g. "64:32x3,128:32x1"."""
-    tiles = {64: (64, 1), 128: (16, 1)}
+    """{head dim: (query rows a tile, resident blocks an SM asked of ptxas)} of the split dK/dV kernel:
+    FUSED_Q's 64 rows at D <= 64 and 16 at D = 128 (both accumulators, K and V fragments in registers:
+    more rows spill), no bound; or what the tuning knob says, e.g. "64:32x3,128:32x1"."""
+    tiles = {d: (rows, 1) for d, rows in FUSED_Q.items()}
     for part in filter(None, os.environ.get(env, "").replace(" ", "").split(",")):
         try:
             d, rows_blocks = part.split(":")
@@ -102,6 +104,7 @@ def _instantiations():
 register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS,
     "KILN_ATTN_DKDV_Q": DKDV_Q[64], "KILN_ATTN_DKDV_Q_D128": DKDV_Q[128],
+    "KILN_ATTN_FUSED_Q": FUSED_Q[64], "KILN_ATTN_FUSED_Q_D128": FUSED_Q[128],
     "KILN_ATTN_DKDV_BLOCKS": DKDV_TILES[64][1], "KILN_ATTN_DKDV_BLOCKS_D128": DKDV_TILES[128][1],
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
     "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
@@ -135,13 +138,13 @@ def delta_rows_per_block(d: int, itemsize: int) -> int:
 def fused_shared_bytes(d: int) -> int:
     """attention_bwd_fused_tc's dynamic shared memory: Q and dO tiles (two buffers each), K's tile, dS's
     tile [BQ, 64], and 1024 bytes to align the base for the swizzle."""
-    bq = DKDV_Q[d]
+    bq = FUSED_Q[d]
     return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + 1024
 
 
 def fused_semaphores(bh: int, n_q: int, d: int) -> int:
     """Ints the fused backward's launch zeroes: a semaphore per (b·h, query tile) and the ticket counter."""
-    return bh * cdiv(n_q, DKDV_Q[d]) + 1
+    return bh * cdiv(n_q, FUSED_Q[d]) + 1
 
 
 def tma_shared_bytes(d: int) -> int:

@@ -896,7 +896,9 @@ template <int D> struct TcShape {
     // tiles keep static shared memory under 48 KiB; dK/dV at D = 128 (K, V fragments and both
     // accumulators in registers) takes 16 so that it does not spill.
     static constexpr int fwd_k = D >= 128 ? 32 : 64;
-    static constexpr int dkdv_q = D >= 128 ? KILN_ATTN_DKDV_Q_D128 : KILN_ATTN_DKDV_Q;  // also the fused kernel's
+    static constexpr int dkdv_q = D >= 128 ? KILN_ATTN_DKDV_Q_D128 : KILN_ATTN_DKDV_Q;
+    // The fused backward's query rows: dkdv_q's defaults, fixed (its dQᵀ products take 64 at D = 64).
+    static constexpr int fused_q = D >= 128 ? KILN_ATTN_FUSED_Q_D128 : KILN_ATTN_FUSED_Q;
     static constexpr int dq_k = D >= 128 ? 32 : 64;
     // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers: two
     // score tiles are live while the next one is computed).
@@ -1318,7 +1320,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     T* __restrict__ dv, float* __restrict__ dq_acc, int* __restrict__ sem, int n_bh, int n_q, int n_k, int off,
     int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq), KILN_LAYOUT(dkv)) {
     static_assert(D % 64 == 0, "dQᵀ's products are 64 rows of D each");
-    constexpr int BQ = TcShape<D>::dkdv_q;
+    constexpr int BQ = TcShape<D>::fused_q;
     using Tile = SwTile<BQ, D>;         // Q and dO, two buffers each
     using KTile = SwTile<kTcRows, D>;   // K: Kᵀ is the A of dQᵀ
     using STile = SwTile<BQ, kTcRows>;  // dS [BQ queries][64 keys]: the B of dQᵀ
