@@ -85,7 +85,8 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
                 os.environ["KILN_ATTENTION_BWD"] = bwd_kernel
             kms = graph_ms(kfn, iters, "kiln")
             row = {"op": op, "dtype": np.dtype(dtype).name, "shape": list(shape), "fwd_kernel": fwd_kernel,
-                   "bwd_kernel": bwd_kernel, "dkdv_tiles": os.environ.get("KILN_ATTENTION_DKDV_TILES", ""), "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
+                   "bwd_kernel": bwd_kernel, "dkdv_tiles": os.environ.get("KILN_ATTENTION_DKDV_TILES", ""),
+                   "kiln_ms": kms, "torch_ms": tms, "kiln_tflops": flops / kms / 1e9,
                    "torch_tflops": flops / tms / 1e9, "ratio": tms / kms}
             print(f"{'x'.join(map(str, shape)):18s} {op:8s} {row['dtype']:9s} {fwd_kernel or '-':12s} "
                   f"{bwd_kernel or '-':6s} {kms:9.3f} {tms:9.3f} {row['kiln_tflops']:8.1f} {row['torch_tflops']:8.1f} "

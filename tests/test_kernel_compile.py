@@ -117,3 +117,25 @@ def test_attention_tma_launch_registers_cover_the_setmaxnreg_split():
     for e in exprs:
         regs = report[result.lowered[e]]["registers"]
         assert attention.TMA_THREADS * regs >= need, f"{e}: {regs} registers at launch, the split needs {need}"
+
+
+def test_attention_dkdv_tuning_knob_compiles_without_spills():
+    """KILN_ATTENTION_DKDV_TILES (read at import) changes the split dK/dV kernel's rows and bound only: the
+    fused backward keeps its own 64 rows at D = 64 (a 32-row tile once broke the family's compile there)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json; from kiln.backend.cuda import attention, compiler; "
+            "e = [x for x in compiler.FAMILIES['attention.cu'] if 'dkdv_tc' in x or 'fused_tc' in x]; "
+            "r = compiler.compile_family('attention.cu', 'sm_90a', name_expressions=e, verbose_ptxas=True); "
+            "rep = compiler.ptxas_report(r.log); print(json.dumps({x: rep[m] for x, m in r.lowered.items()}))")
+    env = {**os.environ, "KILN_ATTENTION_DKDV_TILES": "64:32x3"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert any("fused_tc" in x for x in report) and any("dkdv_tc" in x for x in report)
+    for expr, r in report.items():
+        assert r["spill_stores"] == r["spill_loads"] == 0, f"{expr}: {r}"
+        if "dkdv_tc" in expr and ", 64>" in expr:
+            assert r["registers"] <= 168, f"{expr}: 3 blocks of 128 threads an SM need <= 168 registers, got {r}"
