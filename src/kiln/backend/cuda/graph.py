@@ -83,9 +83,16 @@ def capture(fn) -> CapturedGraph:
         # released after capture_into has left: a free arriving while the pool is still the capture's
         # (a collection, another thread) would move an eager block into the released pool.
         alloc.release_pool(pool)
-        if not isinstance(failure, Exception):
-            raise failure  # Ctrl-C, an exit: the run stops, it does not go on op by op
-        raise GraphCaptureError(f"recording the step as a CUDA graph failed: {type(failure).__name__}: {failure}. "
-                                "Something in the step synchronises with the host or cannot be "
-                                "captured; run it without the graph (cuda_graph=False)") from failure
+        result = None  # a step that ran but did not record: its outputs go now, not with the error
+        try:
+            if not isinstance(failure, Exception):
+                raise failure  # Ctrl-C, an exit: the run stops, it does not go on op by op
+            raise GraphCaptureError(f"recording the step as a CUDA graph failed: {type(failure).__name__}: "
+                                    f"{failure}. Something in the step synchronises with the host or cannot be "
+                                    "captured; run it without the graph (cuda_graph=False)") from failure
+        finally:
+            # This frame holding its own failure is a cycle (frame -> failure -> traceback -> frame)
+            # that kept the frames above it, and what they hold (CapturedStep's copies of the inputs),
+            # until a collection, long after the caller had handled the error.
+            del failure
     return CapturedGraph(graph, pool, result)
