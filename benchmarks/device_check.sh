@@ -138,7 +138,7 @@ for p in "$@"; do
                              tag=${spec:-default}; tag=${tag//[:,]/-}
                              export KILN_ATTENTION_DKDV_TILES=$spec
                              [ -z "$spec" ] || part "attention-tiles-tests-$tag" 120 python3 -m pytest -q -m cuda \
-                                 -p no:cacheprovider tests/test_op_attention.py -k "bwd and not fused"
+                                 -p no:cacheprovider tests/test_op_attention.py -k "split and not fused"
                              part "attention-tiles-bench-$tag" 120 python3 benchmarks/attention.py --bwd split \
                                  --out "$LOGS/attention-tiles-$tag.json"
                              part "attention-tiles-gpt2-$tag" 90 python3 benchmarks/gpt2_step.py --modes bf16 \

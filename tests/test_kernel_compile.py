@@ -45,6 +45,13 @@ def test_block_constants_are_defined_once_in_python():
             assert f"-D{name}={value}" in options
 
 
+# Spills kept on purpose, each at exactly the bytes measured faster than the tiling without it: the split
+# dK/dV at D = 128 with 32 query rows a tile (attention.py's DKDV_DEFAULT) took 0.87-0.89x the time of
+# 16 rows on an H100 (benchmarks/results/device-logs/device-check-2026-12-06-h100/).
+KEPT_SPILLS = {f"attention_bwd_dkdv_tc<{t}, 128>": {"registers": 255, "stack": 8, "spill_stores": 8,
+                                                     "spill_loads": 8} for t in ("__nv_bfloat16", "__half")}
+
+
 @pytest.fixture(scope="module")
 def compiled():
     return {}
@@ -60,7 +67,8 @@ def test_family_compiles_without_spills(family, compiled):
     by_expr = {expr: report.get(mangled) for expr, mangled in result.lowered.items()}
     missing = [e for e, r in by_expr.items() if r is None]
     assert not missing, f"ptxas reported nothing for {missing}\n{result.log}"
-    bad = {e: r for e, r in by_expr.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
+    bad = {e: r for e, r in by_expr.items()
+           if (r["spill_stores"] or r["spill_loads"] or r["stack"]) and r != KEPT_SPILLS.get(e)}
     assert not bad, "register spills or stack frames:\n" + "\n".join(f"  {e}: {r}" for e, r in sorted(bad.items()))
     for e, r in by_expr.items():
         assert r["registers"] is not None and r["registers"] <= 255, (e, r)
@@ -121,7 +129,8 @@ def test_attention_tma_launch_registers_cover_the_setmaxnreg_split():
 
 def test_attention_dkdv_tuning_knob_compiles_without_spills():
     """KILN_ATTENTION_DKDV_TILES (read at import) changes the split dK/dV kernel's rows and bound only: the
-    fused backward keeps its own 64 rows at D = 64 (a 32-row tile once broke the family's compile there)."""
+    fused backward keeps its own 64 rows at D = 64 (a 32-row tile once broke the family's compile there), and
+    16 rows at D = 128 (the default before 2026-12-06) take back the 32 rows' spill."""
     import json
     import os
     import subprocess
@@ -130,7 +139,7 @@ def test_attention_dkdv_tuning_knob_compiles_without_spills():
             "e = [x for x in compiler.FAMILIES['attention.cu'] if 'dkdv_tc' in x or 'fused_tc' in x]; "
             "r = compiler.compile_family('attention.cu', 'sm_90a', name_expressions=e, verbose_ptxas=True); "
             "rep = compiler.ptxas_report(r.log); print(json.dumps({x: rep[m] for x, m in r.lowered.items()}))")
-    env = {**os.environ, "KILN_ATTENTION_DKDV_TILES": "64:32x3"}
+    env = {**os.environ, "KILN_ATTENTION_DKDV_TILES": "64:32x3,128:16x1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.splitlines()[-1])

@@ -505,9 +505,9 @@ def test_attention_dkdv_tiles_are_the_defaults_or_what_the_tuning_knob_names(mon
     from kiln.backend.cuda.attention import _dkdv_tiles
     from kiln.errors import ConfigError
     monkeypatch.delenv("KILN_ATTENTION_DKDV_TILES", raising=False)
-    assert _dkdv_tiles() == {64: (64, 1), 128: (16, 1)}
-    monkeypatch.setenv("KILN_ATTENTION_DKDV_TILES", "64:32x3, 128:32x1")
-    assert _dkdv_tiles() == {64: (32, 3), 128: (32, 1)}
+    assert _dkdv_tiles() == {64: (64, 1), 128: (32, 1)}
+    monkeypatch.setenv("KILN_ATTENTION_DKDV_TILES", "64:32x3, 128:16x1")
+    assert _dkdv_tiles() == {64: (32, 3), 128: (16, 1)}
     for bad in ("64:48x1", "96:32x1", "64:32", "64:32x5", "x"):
         monkeypatch.setenv("KILN_ATTENTION_DKDV_TILES", bad)
         with pytest.raises(ConfigError, match="HEAD_DIM:ROWSxBLOCKS"):

@@ -49,14 +49,17 @@ F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
 BWD_VARIANTS = ("split", "fused")  # KILN_ATTENTION_BWD: the bf16/fp16 backward kernels
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
-FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile, and the split dK/dV's by default
+FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
+# The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
+# 32 rows though ptxas spills 8 bytes there: graph-timed on an H100 (2026-12-06) its backward took
+# 0.87-0.89x the time of 16 rows (half the passes over each key block's K and V), the spill included.
+DKDV_DEFAULT = {64: (64, 1), 128: (32, 1)}
 
 
 def _dkdv_tiles(env: str = "KILN_ATTENTION_DKDV_TILES") -> dict:
     """{head dim: (query rows a tile, resident blocks an SM asked of ptxas)} of the split dK/dV kernel:
-    FUSED_Q's 64 rows at D <= 64 and 16 at D = 128 (both accumulators, K and V fragments in registers:
-    more rows spill), no bound; or what the tuning knob says, e.g. "64:32x3,128:32x1"."""
-    tiles = {d: (rows, 1) for d, rows in FUSED_Q.items()}
+    DKDV_DEFAULT, or what the tuning knob says, e.g. "64:32x3,128:16x1"."""
+    tiles = dict(DKDV_DEFAULT)
     for part in filter(None, os.environ.get(env, "").replace(" ", "").split(",")):
         try:
             d, rows_blocks = part.split(":")

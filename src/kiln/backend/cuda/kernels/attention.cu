@@ -893,11 +893,12 @@ constexpr int kTcRows = KILN_ATTN_TC_ROWS;  // rows per block in every tensor-co
 
 template <int D> struct TcShape {
     // Rows per streamed tile: keys in the forward and dQ, queries in dK/dV. Two buffers of two
-    // tiles keep static shared memory under 48 KiB; dK/dV at D = 128 (K, V fragments and both
-    // accumulators in registers) takes 16 so that it does not spill.
+    // tiles keep static shared memory under 48 KiB. dK/dV's rows come from the launcher
+    // (attention.py's DKDV_DEFAULT, or the KILN_ATTENTION_DKDV_TILES knob): at D = 128 (K, V fragments
+    // and both accumulators in registers) 32 rows spill 8 bytes and still beat 16.
     static constexpr int fwd_k = D >= 128 ? 32 : 64;
     static constexpr int dkdv_q = D >= 128 ? KILN_ATTN_DKDV_Q_D128 : KILN_ATTN_DKDV_Q;
-    // The fused backward's query rows: dkdv_q's defaults, fixed (its dQᵀ products take 64 at D = 64).
+    // The fused backward's query rows, fixed (its dQᵀ products take 64 at D = 64; 16 at D = 128).
     static constexpr int fused_q = D >= 128 ? KILN_ATTN_FUSED_Q_D128 : KILN_ATTN_FUSED_Q;
     static constexpr int dq_k = D >= 128 ? 32 : 64;
     // Resident blocks per SM the forward asks ptxas for at D = 64: 3 (up to 168 registers: two
