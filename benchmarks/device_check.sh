@@ -134,7 +134,7 @@ for p in "$@"; do
                        tests/test_op_attention.py -k "bwd_fused_masks or bwd_fused_replays"
                    part attention-bench 330 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong \
                        --bwd split,fused ;;
-        attention-tiles) for spec in "" "64:32x3,128:32x1" "64:32x2"; do  # each in its own processes: read at import
+        attention-tiles) for spec in "" "64:32x3,128:16x1" "64:32x2"; do  # each in its own processes: read at import
                              tag=${spec:-default}; tag=${tag//[:,]/-}
                              export KILN_ATTENTION_DKDV_TILES=$spec
                              [ -z "$spec" ] || part "attention-tiles-tests-$tag" 120 python3 -m pytest -q -m cuda \
