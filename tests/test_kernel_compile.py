@@ -47,7 +47,7 @@ def test_block_constants_are_defined_once_in_python():
 
 # Spills kept on purpose, each at exactly the bytes measured faster than the tiling without it: the split
 # dK/dV at D = 128 with 32 query rows a tile (attention.py's DKDV_DEFAULT) took 0.87-0.89x the time of
-# 16 rows on an H100 (benchmarks/results/device-logs/device-check-2026-12-06-h100/).
+# 16 rows on an H100 (benchmarks/results/device-logs/device-check-2026-12-06-h100-s1/ and -s5/).
 KEPT_SPILLS = {f"attention_bwd_dkdv_tc<{t}, 128>": {"registers": 255, "stack": 8, "spill_stores": 8,
                                                      "spill_loads": 8} for t in ("__nv_bfloat16", "__half")}
 
