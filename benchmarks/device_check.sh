@@ -29,8 +29,8 @@
 # test, benchmarks/attention.py --bwd split,fused against SDPA, then the fused backward's tests (the smoke test and the
 # benchmark first: a call cut off at its limit keeps them),
 # ~10 minutes at most: a call of its own), attention-bwd-gpt2 (the bf16 GPT-2 step, kiln alone, fused then split, ~4 min),
-# largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off
-# and on, ~300-450 s: a call of its own), largest-h100 (the same on an 80 GB H100, scaled: PyTorch at 42 and 44
+# largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off,
+# on and host (the clip through host memory), ~300-450 s: a call of its own), largest-h100 (the same on an 80 GB H100, scaled: PyTorch at 42 and 44
 # layers, where 16 bytes a parameter stop it, kiln at 53 layers, 1.2x 44's parameters), largest-tests (the in-backward step against the ordinary one, bit for bit),
 # attention (issue 14: the fused backward's masking and graph-replay tests, then benchmarks/attention.py with every
 # forward and backward against SDPA, all graph-timed, ~5 min), attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:

@@ -10,7 +10,8 @@ torch.compile(model) (minutes of compiling at 76 layers: not in the default set)
 16 bytes a parameter (weights, gradients, two moments) and stops at 76 layers on an H200.
 kiln: AdamW(in_backward=True) updates each parameter as its gradient is final and keeps none
 (12 bytes a parameter); the clip is exact, by a first backward that only sums the squares (so "on"
-costs a second backward); the first --recompute-blocks blocks keep only their inputs (default: the
+costs a second backward), or ("host") by one backward that sums them and parks each gradient in pinned
+host memory for the updates after it (PCIe both ways, not in the predicted ratio); the first --recompute-blocks blocks keep only their inputs (default: the
 fewest that the memory arithmetic below says fit). Each (framework, layers, clip) runs in its own
 process on random tokens, steps op by op (the Trainer does not capture an in-backward step), nothing
 read back inside the timed steps. The figure of merit is tokens/s x parameters against PyTorch's at
@@ -148,8 +149,9 @@ def run_kiln(args) -> dict:
     apply_precision(model, "fp32", dev)
     model.recompute_blocks = args.recompute_blocks
     model.recompute_norm_gelu = args.recompute_norm_gelu == "on"
-    opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, in_backward=True)
-    max_norm = 1.0 if args.clip == "on" else None
+    opt = AdamW(gpt_param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, in_backward=True,
+                clip_via="host" if args.clip == "host" else "recompute")
+    max_norm = None if args.clip == "off" else 1.0
 
     def step(x, y):  # the Trainer's step with AdamW in backward; the graph goes when it returns
         loss = model(x, y)[1]
@@ -289,7 +291,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--torch-layers", default="76", help="PyTorch's layer counts (comma-separated)")
     ap.add_argument("--kiln-layers", "--n-layer", default="76,92", help="kiln's layer counts (comma-separated)")
-    ap.add_argument("--clip", default="off,on", help="kiln with the clip off, on, or both (PyTorch always clips)")
+    ap.add_argument("--clip", default="off,on,host", help="kiln with the clip off, on (a second backward), host (the "
+                    "gradients parked in host memory: one backward), comma-separated (PyTorch always clips)")
     ap.add_argument("--recompute-blocks", type=int,
                     help="kiln's recomputed blocks at every layer count (default: the fewest that fit, per layer count)")
     ap.add_argument("--recompute-norm-gelu", default="on", choices=("on", "off"),

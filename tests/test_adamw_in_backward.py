@@ -18,8 +18,9 @@ def tiny_gpt(dtype, tie_weights=True, seed=3):
     return model
 
 
-def adamw(model, in_backward):
-    return AdamW(gpt_param_groups(model, 0.1), lr=3e-2, betas=(0.9, 0.95), in_backward=in_backward)
+def adamw(model, in_backward, clip_via="recompute"):
+    return AdamW(gpt_param_groups(model, 0.1), lr=3e-2, betas=(0.9, 0.95), in_backward=in_backward,
+                 clip_via=clip_via)
 
 
 def batches(steps, seed=0):
@@ -31,9 +32,12 @@ def batches(steps, seed=0):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("max_norm", [None, 0.05, 1e3])  # no clip; a clip that scales; one that does not
 @pytest.mark.parametrize("tie_weights", [True, False])
-def test_in_backward_step_equals_backward_clip_step_bit_for_bit(dtype, max_norm, tie_weights):
+@pytest.mark.parametrize("clip_via", ["recompute", "host"])
+def test_in_backward_step_equals_backward_clip_step_bit_for_bit(dtype, max_norm, tie_weights, clip_via, monkeypatch):
+    from kiln.optim import host_stash
+    monkeypatch.setattr(host_stash, "WINDOW_BYTES", 2048)  # gradients go back to the allocator as copies finish
     ordinary, inside = tiny_gpt(dtype, tie_weights), tiny_gpt(dtype, tie_weights)
-    opt, opt_in = adamw(ordinary, False), adamw(inside, True)
+    opt, opt_in = adamw(ordinary, False), adamw(inside, True, clip_via)
     for step, (x, y) in enumerate(batches(4)):
         for o in (opt, opt_in):
             for g in o.param_groups:
@@ -86,6 +90,36 @@ def test_each_update_happens_as_its_gradient_is_made_and_frees_it():
     assert max(alive) == 1  # only the gradient of the parameter at hand
 
 
+def test_the_host_clip_runs_one_backward_and_keeps_one_window_of_gradients(monkeypatch):
+    """clip_via="host": each parameter's hook runs once (one backward, no retained graph), each gradient
+    is stashed, and no more than the window's bytes of gradients (plus the newest) wait for their copies."""
+    from kiln.optim import host_stash
+    monkeypatch.setattr(host_stash, "WINDOW_BYTES", 4096)
+    model = tiny_gpt("float64")
+    opt = adamw(model, True, "host")
+    seen, waiting = [], []
+    original, put = opt._gradient_final, host_stash.HostGradStash.put
+
+    def watching(p):
+        seen.append(id(p))
+        original(p)
+
+    def putting(self, i, grad):
+        put(self, i, grad)
+        waiting.append(self._pending_bytes - grad.nbytes)
+    monkeypatch.setattr(host_stash.HostGradStash, "put", putting)
+    for p in model.parameters():
+        p._post_accumulate_hooks[:] = [watching]
+    x, y = batches(1)[0]
+    loss = model(x, y)[1]
+    opt.backward_step(loss, 1.0)
+    n = len(list(model.parameters()))
+    assert len(seen) == n == len(set(seen)) == len(waiting)
+    assert max(waiting) <= 4096 and not opt._stash._pending and opt._stash.order == []
+    with pytest.raises(Exception, match="retain|freed|again"):
+        loss.backward()  # the graph was not retained
+
+
 def test_misuse_is_a_clear_error():
     model = tiny_gpt("float64")
     opt = adamw(model, True)
@@ -101,6 +135,8 @@ def test_misuse_is_a_clear_error():
     plain = adamw(tiny_gpt("float64"), False)
     with pytest.raises(ConfigError, match="in_backward=True"):
         plain.backward_step(model(x, y)[1])
+    with pytest.raises(ConfigError, match="clip_via must be one of recompute, host"):
+        adamw(model, True, "disk")
 
 
 @pytest.mark.parametrize("recompute, norm_gelu", [(1, False), (2, False), (0, True), (1, True)])
@@ -158,13 +194,17 @@ def test_cuda_norm_parts_added_in_any_order_are_grad_norm_bit_for_bit(dtypes):
 @pytest.mark.cuda
 @needs_gpu
 @pytest.mark.parametrize("max_norm", [None, 0.05])
-@pytest.mark.parametrize("recompute, norm_gelu", [(0, False), (1, True)])
-def test_cuda_in_backward_step_equals_backward_clip_step_bit_for_bit(max_norm, recompute, norm_gelu):
+@pytest.mark.parametrize("recompute, norm_gelu, clip_via", [(0, False, "recompute"), (1, True, "recompute"),
+                                                          (0, False, "host"), (1, True, "host")])
+def test_cuda_in_backward_step_equals_backward_clip_step_bit_for_bit(max_norm, recompute, norm_gelu, clip_via,
+                                                                       monkeypatch):
+    from kiln.optim import host_stash
+    monkeypatch.setattr(host_stash, "WINDOW_BYTES", 4096)  # the compute stream waits on copies mid-backward
     models = [tiny_gpt("float32").to("cuda") for _ in range(2)]
     for m in models:
         m.recompute_blocks, m.recompute_norm_gelu = recompute, norm_gelu
     ordinary, inside = models
-    opt, opt_in = adamw(ordinary, False), adamw(inside, True)
+    opt, opt_in = adamw(ordinary, False), adamw(inside, True, clip_via)
     for step, (x, y) in enumerate(batches(3)):
         x, y = x.to("cuda"), y.to("cuda")
         opt.zero_grad()

@@ -48,7 +48,7 @@ def test_a_plain_block_keeps_sixteen_activations_and_a_recomputed_one_two():
     assert by_op["GELULinear"] == 4.0 and by_op["Linear"] == 1.0 and "NormLinear" not in by_op  # keeps s: kept anyway
 
 
-@pytest.mark.parametrize("framework, clip", [("kiln", "on"), ("kiln", "off"), ("torch-eager", "on")])
+@pytest.mark.parametrize("framework, clip", [("kiln", "on"), ("kiln", "off"), ("kiln", "host"), ("torch-eager", "on")])
 def test_one_small_case_runs_on_the_cpu(monkeypatch, framework, clip):
     lm = load()
     monkeypatch.setattr(lm, "B", 2)

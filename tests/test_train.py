@@ -141,14 +141,17 @@ def test_undoing_a_step_recasts_the_kept_bf16_weight_copies(tmp_path):
         assert np.array_equal(p.kept.data.view(np.uint16), p.numpy().astype(p.kept.dtype.np).view(np.uint16))
 
 
-def test_adamw_in_backward_trains_as_the_ordinary_step_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("clip_via", ["recompute", "host"])
+def test_adamw_in_backward_trains_as_the_ordinary_step_bit_for_bit(tmp_path, clip_via):
     """The Trainer with AdamW in backward (and recomputed blocks) logs the same losses and grad norms and
     ends with the same weights as the ordinary step (backward, clip, step), on the CPU in fp32."""
     common = dict(model="tiny", device="cpu", max_steps=5, batch_size=2, eval_interval=5, eval_iters=1,
                   sample_tokens=0, progress=False, out_dir=str(tmp_path), model_overrides={"n_layer": 2})
     plain = Trainer(TrainConfig(**common, run_name="plain"))
     inside = Trainer(TrainConfig(**common, run_name="inside", adamw_in_backward=True, recompute_blocks=1,
-                                        recompute_norm_gelu=True))
+                                 recompute_norm_gelu=True, adamw_clip_via=clip_via))
+    assert inside.optimizer.clip_via == clip_via
+    assert ("host memory" in inside.config.describe_recipe()) == (clip_via == "host")
     rows = [plain.train_step() for _ in range(5)]
     rows_in = [inside.train_step() for _ in range(5)]
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in rows_in]
@@ -167,6 +170,9 @@ def test_adamw_in_backward_says_what_it_cannot_combine_with(settings, message):
     from kiln.errors import NotBuiltError
     with pytest.raises(NotBuiltError, match=message):
         TrainConfig(device="cpu", adamw_in_backward=True, **settings).validate()
+    from kiln.errors import ConfigError
+    with pytest.raises(ConfigError, match="adamw_clip_via must be one of recompute, host, got 'disk'"):
+        TrainConfig(device="cpu", adamw_in_backward=True, adamw_clip_via="disk").validate()
 
 
 def test_the_largest_preset_updates_in_backward_in_one_micro_batch():

@@ -305,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update each parameter inside backward as its gradient is final and keep no gradients "
                         "(12 bytes a parameter, not 16: the largest model; a clip costs a second backward); "
                         "one micro-batch a step, one device")
+    t.add_argument("--adamw-clip-via", choices=("recompute", "host"),
+                   help="with --adamw-in-backward, how the exact clip gets each gradient again once the norm is "
+                        "known: recompute (a second backward; default) or host (each gradient parked in pinned "
+                        "host memory: one backward, the gradients' bytes over PCIe both ways)")
     t.add_argument("--recompute-blocks", type=int, help="the first N blocks keep only their inputs and run their "
                    "forward again in backward (activation memory for one more forward of those blocks)")
     t.add_argument("--recompute-norm-gelu", action="store_true", default=None,

@@ -15,7 +15,9 @@ gradient before the first update, so with a clip the step runs backward twice ov
 graph: the first pass only adds up each gradient's sum of squares (dropping the gradient as it is
 made), the second updates with the clip coefficient from that norm; without a clip, one pass. The
 update is the ordinary step's (backward, clip_grad_norm_, step) bit for bit on the CPU; the clip
-costs a second backward (about 4N FLOPs a token on top of the step's 6N) and no memory.
+costs a second backward (about 4N FLOPs a token on top of the step's 6N) and no device memory but the
+retained graph's. `clip_via="host"` parks each gradient in page-locked host memory instead
+(kiln.optim.host_stash): one backward, the gradients' bytes over PCIe both ways, the same bits.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from __future__ import annotations
 from kiln.autograd import no_grad
 from kiln.errors import ConfigError, KilnError, NotBuiltError
 from kiln.graph import before_each_replay, capturing
+from kiln.optim.host_stash import HostGradStash
 from kiln.tensor import Tensor
+
+CLIP_VIA = ("recompute", "host")  # how AdamW in backward's exact clip gets the gradients back after the norm
 
 
 def gpt_param_groups(model, weight_decay: float):
@@ -36,13 +41,17 @@ def gpt_param_groups(model, weight_decay: float):
 
 class AdamW:
     """torch.optim.AdamW's arithmetic; `param_groups` hold params, lr and weight_decay. in_backward:
-    each parameter is updated inside backward_step(loss) as its gradient is made (see above)."""
+    each parameter is updated inside backward_step(loss) as its gradient is made (see above); clip_via:
+    how its exact clip gets each gradient again once the norm is known, "recompute" (a second backward)
+    or "host" (kept in page-locked host memory)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, in_backward: bool = False):
+                 weight_decay: float = 0.01, in_backward: bool = False, clip_via: str = "recompute"):
         if lr < 0 or eps < 0 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ConfigError(f"AdamW needs lr >= 0, eps >= 0 and betas in [0, 1): got lr={lr}, "
                               f"betas={betas}, eps={eps}")
+        if clip_via not in CLIP_VIA:
+            raise ConfigError(f"clip_via must be one of {', '.join(CLIP_VIA)}, got {clip_via!r}")
         params = list(params)
         if params and isinstance(params[0], dict):
             groups = params
@@ -61,7 +70,9 @@ class AdamW:
         self._moments = None  # (exp_avgs, exp_avg_sqs), allocated at the first step
         self._clip = None  # (norm device array, max_norm) for the next step, from clip_grad_norm_
         self.in_backward = in_backward
-        self._pass = None  # inside backward_step: "norm" (the clip's first pass) or "update"
+        self.clip_via = clip_via
+        self._stash = None  # clip_via="host": the HostGradStash, made at the first clipped backward_step
+        self._pass = None  # inside backward_step: "norm" (the clip's first pass), "stash" (clip_via host) or "update"
         self._norm_parts = None  # the clip's first pass: the gradients' squares, as they come (backend.grad_norm_parts)
         if in_backward:
             self._position = {}  # id(param) -> (its index in self.params, its group)
@@ -160,7 +171,9 @@ class AdamW:
 
         With max_norm, the first backward (retain_graph) only adds up each gradient's sum of squares
         (backend.grad_norm_parts: grad_norm's sum, bit for bit) and drops the gradient; the second updates each
-        parameter with torch's coefficient min(1, max_norm / (norm + 1e-6)). Without, one backward."""
+        parameter with torch's coefficient min(1, max_norm / (norm + 1e-6)). Without, one backward. With
+        clip_via="host", one backward adds up the squares and parks each gradient on the host; the updates
+        follow it, from the host copies."""
         if not self.in_backward:
             raise ConfigError("backward_step needs AdamW(..., in_backward=True); this AdamW keeps gradients: "
                               "call loss.backward() and step()")
@@ -176,18 +189,31 @@ class AdamW:
         if self._moments is None:
             self._allocate()
         norm = None
+        host = max_norm is not None and self.clip_via == "host"
         if max_norm is not None:
             params = self.params
-            self._norm_parts = params[0].backend.grad_norm_parts([p.data for p in params])
+            backend = params[0].backend
+            self._norm_parts = backend.grad_norm_parts([p.data for p in params])
+            if host and self._stash is None:
+                self._stash = HostGradStash(backend)
+            if host:
+                self._stash.order.clear()  # what a failed step left
             try:
-                self._run_pass("norm", loss, retain_graph=True)
+                self._run_pass("stash" if host else "norm", loss, retain_graph=not host)
                 norm = self._norm_parts.norm()
             finally:
                 self._norm_parts = None
+                if host:
+                    self._stash.drain()
             self._clip = (norm, float(max_norm))
         self.step_count += 1
         try:
-            self._run_pass("update", loss, retain_graph=False)
+            if host:
+                params = self.params
+                for i, grad in self._stash.returned():
+                    self._update(i, params[i], grad)
+            else:
+                self._run_pass("update", loss, retain_graph=False)
         finally:
             self._clip = None
         return None if norm is None else Tensor._wrap(norm, loss.device)
@@ -204,15 +230,22 @@ class AdamW:
         if self._pass is None:
             raise KilnError("a backward reached a parameter of an AdamW(in_backward=True) outside its "
                             "backward_step(loss): call optimizer.backward_step(loss, max_norm) instead of loss.backward()")
-        i, group = self._position[id(p)]
-        grad, p.grad = p.grad, None  # nothing else holds it: freed when this returns
-        if self._pass == "norm":
+        i, _ = self._position[id(p)]
+        grad, p.grad = p.grad, None  # nothing else holds it: freed when this returns (or once stashed)
+        if self._pass in ("norm", "stash"):
             self._norm_parts.add(i, grad.data)
+            if self._pass == "stash":
+                self._stash.put(i, grad.data)
             return
+        self._update(i, p, grad.data)
+
+    def _update(self, i: int, p, grad) -> None:
+        """AdamW on parameter p (index i) from its gradient array, clipped by self._clip when set."""
+        group = self._position[id(p)][1]
         exp_avgs, exp_avg_sqs = self._moments
         clip_norm, max_norm = self._clip if self._clip is not None else (None, 0.0)
         copy = getattr(p, "kept", None)
-        p.backend.adamw_step([p.data], [grad.data], [exp_avgs[i]], [exp_avg_sqs[i]], [group["weight_decay"]],
+        p.backend.adamw_step([p.data], [grad], [exp_avgs[i]], [exp_avg_sqs[i]], [group["weight_decay"]],
                              group["lr"], self.betas[0], self.betas[1], self.eps, self.step_count,
                              clip_norm=clip_norm, max_norm=max_norm, copies=[None if copy is None else copy.data])
         p._version[0] += 1

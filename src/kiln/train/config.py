@@ -59,6 +59,7 @@ class TrainConfig:
     cp_transport: str = "p2p"                # how K/V reach the other cp ranks: p2p (ring), all_gather, all_to_all
     tp_chunks: int = 1                       # async TP: each row-parallel all-reduce in N chunks, overlapping GEMMs
     adamw_in_backward: bool | None = None    # update each parameter inside backward, keep no gradients (kiln.optim.adamw)
+    adamw_clip_via: str | None = None        # its exact clip: "recompute" (a second backward) or "host" (gradients parked in host memory)
     recompute_blocks: int | None = None      # the first N blocks keep only their inputs; backward recomputes the rest
     recompute_norm_gelu: bool | None = None  # backward makes the LayerNorm and GELU outputs again instead of keeping them
 
@@ -78,8 +79,9 @@ class TrainConfig:
     def describe_recipe(self) -> str:
         """The optimizer schedule this run uses, in one line (the preset's recipe, as flags changed it)."""
         batch = f"{self.global_batch:,} tokens a step" if self.global_batch else f"{self.grad_accum} micro-batch(es) a step"
+        clip = {"recompute": "; the exact clip's second backward)", "host": "; the exact clip's gradients in host memory)"}
         memory = "".join([", AdamW inside backward (no gradients kept" +
-                          ("; the exact clip's second backward)" if self.grad_clip > 0 else ")")
+                          (clip[self.adamw_clip_via] if self.grad_clip > 0 else ")")
                           if self.adamw_in_backward else "",
                           ", LayerNorm and GELU outputs recomputed" if self.recompute_norm_gelu else "",
                           f", the first {self.recompute_blocks} blocks recomputed" if self.recompute_blocks else ""])
@@ -128,6 +130,9 @@ class TrainConfig:
             raise ConfigError(f"unknown cp_transport {self.cp_transport!r}; allowed: {', '.join(TRANSPORTS)}")
         if not isinstance(self.adamw_in_backward, bool):
             raise ConfigError(f"adamw_in_backward must be true or false, got {self.adamw_in_backward!r}")
+        from kiln.optim.adamw import CLIP_VIA
+        if self.adamw_clip_via not in CLIP_VIA:
+            raise ConfigError(f"adamw_clip_via must be one of {', '.join(CLIP_VIA)}, got {self.adamw_clip_via!r}")
         if not isinstance(self.recompute_blocks, int) or isinstance(self.recompute_blocks, bool) \
                 or self.recompute_blocks < 0:
             raise ConfigError(f"recompute_blocks must be an integer >= 0, got {self.recompute_blocks!r}")
@@ -177,13 +182,13 @@ def apply_precision(model, precision: str, device, bf16_residual: str = "fp32") 
 
 
 _TABLE_1 = dict(lr=6e-4, min_lr=6e-5, warmup_steps=715, max_steps=19_073, global_batch=524_288,
-                weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False, recompute_blocks=0,
-                recompute_norm_gelu=False)
+                weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False, adamw_clip_via="recompute",
+                recompute_blocks=0, recompute_norm_gelu=False)
 RECIPES = {  # each preset's training recipe: what TrainConfig's None settings become
     # the CPU default: the bundled corpus in about two minutes on two cores
     "tiny": dict(batch_size=16, max_steps=1200, lr=2e-3, min_lr=2e-4, warmup_steps=40, global_batch=None,
-                 weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False, recompute_blocks=0,
-                recompute_norm_gelu=False),
+                 weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, adamw_in_backward=False,
+                 adamw_clip_via="recompute", recompute_blocks=0, recompute_norm_gelu=False),
     # the paper's Table 1 (GPT-2 124M): 524,288 tokens a step through accumulation, 19,073 steps
     "gpt2-124m": dict(batch_size=16, **_TABLE_1),
     # Table 5 gives B=2 and the same 524,288-token global batch; its optimizer settings are Table 1's
@@ -241,4 +246,5 @@ RESUME_OVERRIDES = ("max_steps", "device", "progress", "checkpoint_interval", "k
                     "batch_size",  # with another number of ranks: batch_size x ranks stays the loader's step
                     "tp", "cp", "cp_transport", "tp_chunks",  # a tp/cp run's checkpoints are the dense model's
                     "async_checkpoint", "eval_interval", "sample_tokens",
-                    "adamw_in_backward", "recompute_blocks", "recompute_norm_gelu")  # the same state, less memory
+                    "adamw_in_backward", "adamw_clip_via", "recompute_blocks",
+                    "recompute_norm_gelu")  # the same state, less memory

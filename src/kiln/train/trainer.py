@@ -144,7 +144,7 @@ class Trainer:
 
         def adamw(model):
             return AdamW(gpt_param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
-                         eps=config.eps, in_backward=config.adamw_in_backward)
+                         eps=config.eps, in_backward=config.adamw_in_backward, clip_via=config.adamw_clip_via)
 
         self.ddp = None  # the data-parallel wrapper: DDP, ZeRO-1/2 or FSDP (tp/cp: over the dp x cp ranks)
         self.sharded = config.parallel in SHARDED  # the optimizer state (and more) in shards, one per rank
