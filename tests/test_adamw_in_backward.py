@@ -120,6 +120,21 @@ def test_the_host_clip_runs_one_backward_and_keeps_one_window_of_gradients(monke
         loss.backward()  # the graph was not retained
 
 
+def test_host_memory_refused_is_a_clear_error():
+    from kiln.backend import cpu
+    from kiln.optim.host_stash import HostGradStash
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(cpu, name)
+
+        def pinned_empty(self, shape, dtype):
+            raise MemoryError("cudaErrorMemoryAllocation")
+    stash = HostGradStash(Refusing())
+    with pytest.raises(KilnError, match="page-locked host memory .* cudaErrorMemoryAllocation.*clip_via='recompute'"):
+        stash.put(0, np.ones(4))
+
+
 def test_misuse_is_a_clear_error():
     model = tiny_gpt("float64")
     opt = adamw(model, True)

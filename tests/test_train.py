@@ -178,7 +178,7 @@ def test_adamw_in_backward_says_what_it_cannot_combine_with(settings, message):
 def test_the_largest_preset_updates_in_backward_in_one_micro_batch():
     cfg = TrainConfig(model="gpt2-largest")
     assert cfg.adamw_in_backward and cfg.recompute_norm_gelu and cfg.recompute_blocks == 16 and cfg.global_batch is None
-    assert cfg.batch_size == 2 and cfg.grad_accum == 1 and cfg.grad_clip == 1.0
+    assert cfg.batch_size == 2 and cfg.grad_accum == 1 and cfg.grad_clip == 1.0 and cfg.adamw_clip_via == "host"
     cfg.validate()
     assert "AdamW inside backward" in cfg.describe_recipe() and "first 16 blocks recomputed" in cfg.describe_recipe()
     from kiln.nn import preset

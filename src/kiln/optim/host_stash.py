@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 
+from kiln.errors import KilnError
+
 # Gradients kept on the device while their copies to the host are still reading them: past this, the
 # compute stream waits for the oldest copy before the gradient's block can be handed out again. Small: at
 # ~50 GB/s a block's largest gradient (d=3072: 151 MB) is copied in ~3 ms, its block's backward takes ~25.
@@ -38,7 +40,14 @@ class HostGradStash:
             self._copy_stream = b.new_stream()
         host = self._host.get(i)
         if host is None or host.shape != grad.shape or host.dtype != grad.dtype:
-            host = self._host[i] = b.pinned_empty(grad.shape, grad.dtype)
+            try:
+                host = self._host[i] = b.pinned_empty(grad.shape, grad.dtype)
+            except Exception as e:  # the driver's error (a locked-memory limit, the host's memory)
+                held = sum(h.nbytes for h in self._host.values())
+                raise KilnError(f"the exact clip through host memory (clip_via='host') holds every gradient in "
+                                f"page-locked host memory ({held / 1e9:.1f} GB held, {grad.nbytes / 1e6:.0f} MB more "
+                                f"refused: {type(e).__name__}: {e}); use clip_via='recompute' "
+                                "(--adamw-clip-via recompute): a second backward, no host memory") from e
         made = b.event()
         made.record(b.stream())
         self._copy_stream.wait_event(made)
