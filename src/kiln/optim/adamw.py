@@ -197,14 +197,10 @@ class AdamW:
             if host and self._stash is None:
                 self._stash = HostGradStash(backend)
             if host:
-                self._stash.begin()
+                self._stash.order.clear()  # what a failed step left
             try:
                 self._run_pass("stash" if host else "norm", loss, retain_graph=not host)
                 norm = self._norm_parts.norm()
-            except BaseException:
-                if host:
-                    self._stash.discard()  # the gradients it kept on the device go now
-                raise
             finally:
                 self._norm_parts = None
                 if host:

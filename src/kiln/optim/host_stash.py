@@ -9,10 +9,6 @@ has read it); after backward the gradients come back in parameter order, each co
 previous parameter's update, through two device staging buffers. The gradients' bytes cross PCIe twice
 (on an H100, ~25 GB each way for a 6B-parameter fp32 model) and live in host memory between; the
 update reads the same bits the device made, so the result is the ordinary step's bit for bit.
-
-Backward frees the activations as it goes down the model: a gradient made while the device holds less
-than it did when backward began (less MARGIN_BYTES) stays on the device instead, in memory the forward's
-activations held, and crosses PCIe not at all. The step's peak memory is not raised.
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ from kiln.errors import KilnError
 # compute stream waits for the oldest copy before the gradient's block can be handed out again. Small: at
 # ~50 GB/s a block's largest gradient (d=3072: 151 MB) is copied in ~3 ms, its block's backward takes ~25.
 WINDOW_BYTES = 256 << 20
-# What the rest of backward may need beyond what it held at its start (a block's temporaries).
-MARGIN_BYTES = 1 << 30
 
 
 class HostGradStash:
@@ -36,29 +30,12 @@ class HostGradStash:
         self._copy_stream = None
         self._pending: collections.deque = collections.deque()  # (copied event, gradient array)
         self._pending_bytes = 0
-        self.order: list[int] = []  # the parameters stashed since begin(), in backward's order
-        self._kept: dict = {}  # parameter index -> its gradient, left on the device
-        self._ceiling = None  # keep a gradient on the device while the device holds no more than this
-
-    def _allocated(self):
-        return self.backend.memory_stats().get("allocated_bytes")  # None on the host: nothing to keep
-
-    def begin(self) -> None:
-        """A backward starts: the device's bytes now (its activations) set what later gradients may keep."""
-        self.order.clear()
-        self._kept.clear()
-        allocated = self._allocated()
-        self._ceiling = None if allocated is None else allocated - MARGIN_BYTES
+        self.order: list[int] = []  # the parameters stashed since the last drain, in backward's order
 
     def put(self, i: int, grad) -> None:
-        """Stash gradient `grad` (a device array the compute stream has just made) of parameter `i`: on
-        the device if it fits under begin()'s ceiling, else copied to the host; the caller drops its
-        reference: the stash keeps the array until the copy has read it."""
+        """Copy gradient `grad` (a device array the compute stream has just made) of parameter `i` to
+        the host; the caller drops its reference: the stash keeps the array until the copy has read it."""
         b = self.backend
-        self.order.append(i)
-        if self._ceiling is not None and self._allocated() <= self._ceiling:
-            self._kept[i] = grad
-            return
         if self._copy_stream is None:
             self._copy_stream = b.new_stream()
         host = self._host.get(i)
@@ -67,7 +44,7 @@ class HostGradStash:
                 host = self._host[i] = b.pinned_empty(grad.shape, grad.dtype)
             except Exception as e:  # the driver's error (a locked-memory limit, the host's memory)
                 held = sum(h.nbytes for h in self._host.values())
-                raise KilnError(f"the exact clip through host memory (clip_via='host') holds the gradients in "
+                raise KilnError(f"the exact clip through host memory (clip_via='host') holds every gradient in "
                                 f"page-locked host memory ({held / 1e9:.1f} GB held, {grad.nbytes / 1e6:.0f} MB more "
                                 f"refused: {type(e).__name__}: {e}); use clip_via='recompute' "
                                 "(--adamw-clip-via recompute): a second backward, no host memory") from e
@@ -79,6 +56,7 @@ class HostGradStash:
         copied.record(self._copy_stream)
         self._pending.append((copied, grad))
         self._pending_bytes += grad.nbytes
+        self.order.append(i)
         while self._pending_bytes > WINDOW_BYTES and len(self._pending) > 1:
             self._retire()
 
@@ -88,12 +66,6 @@ class HostGradStash:
         copied, grad = self._pending.popleft()
         self.backend.stream().wait_event(copied)
         self._pending_bytes -= grad.nbytes
-
-    def discard(self) -> None:
-        """A backward failed: nothing stashed is wanted (the host buffers stay for the next step)."""
-        self.drain()
-        self.order.clear()
-        self._kept.clear()
 
     def drain(self) -> None:
         """Every copy to the host ordered before the compute stream's next work; no gradient kept."""
@@ -107,17 +79,17 @@ class HostGradStash:
         b = self.backend
         self.drain()
         order, self.order = self.order, []
-        kept, self._kept = self._kept, {}
-        staged = [i for i in order if i not in kept]
+        if not order:
+            return
         sizes: dict = {}
-        for i in staged:
+        for i in order:
             h = self._host[i]
             sizes[h.dtype] = max(sizes.get(h.dtype, 0), h.size)
         staging = {dt: [b.empty((n,), dt), b.empty((n,), dt)] for dt, n in sizes.items()}
         landed, used = [None, None], [None, None]
 
         def issue(k):
-            host = self._host[staged[k]]
+            host = self._host[order[k]]
             if used[k % 2] is not None:  # the update that read this buffer two parameters ago is done
                 self._copy_stream.wait_event(used[k % 2])
             view = staging[host.dtype][k % 2][:host.size].reshape(host.shape)
@@ -127,17 +99,12 @@ class HostGradStash:
             landed[k % 2] = ev
             return view
 
-        views = [issue(0) if staged else None, None]
-        k = 0  # the next staged gradient
-        for i in order:
-            if i in kept:
-                yield i, kept.pop(i)
-                continue
-            if k + 1 < len(staged):
+        views = [issue(0), None]
+        for k, i in enumerate(order):
+            if k + 1 < len(order):
                 views[(k + 1) % 2] = issue(k + 1)
             b.stream().wait_event(landed[k % 2])
             yield i, views[k % 2]
             ev = b.event()
             ev.record(b.stream())
             used[k % 2] = ev
-            k += 1
