@@ -82,9 +82,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, help="tokens a row (default: the tiny preset's context)")
     ap.add_argument("--worker", choices=["kiln", "torch"])
     a = ap.parse_args()
+    from kiln.nn import preset
+    cfg = preset("tiny", vocab_size=320)
+    if a.seq_len is None:
+        a.seq_len = cfg.block_size
     if a.worker:
         print(json.dumps(_worker(a.worker, a.steps, a.warmup, a.batch_size, a.seq_len)))
         return
@@ -104,7 +108,8 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "numpy": __import__("numpy").__version__},
-        "model": "tiny (4 layers, 4 heads, 128 wide, vocab 320, context 128), fp32",
+        "model": f"tiny ({cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
+                 f"context {cfg.block_size}), fp32",
         "batch": [a.batch_size, a.seq_len], "timed_steps": a.steps, "warmup_steps": a.warmup,
         "kiln": k, "torch": t, "tokens_per_s_ratio": k["tokens_per_s"] / t["tokens_per_s"],
         "peak_rss_ratio": k["peak_rss_mib"] / t["peak_rss_mib"],
