@@ -30,12 +30,13 @@ def _batches(n, b, t):
     return [loader.next_batch() for _ in range(n)]
 
 
-def _worker(framework: str, steps: int, warmup: int, b: int, t: int) -> dict:
+def _worker(framework: str, steps: int, warmup: int, b: int, t: int | None = None) -> dict:
     import numpy as np
 
     import kiln
     from kiln.nn import GPT, preset
     cfg = preset("tiny", vocab_size=320)
+    t = t or cfg.block_size
     model = GPT(cfg, generator=kiln.Generator(0))
     batches = _batches(steps + warmup, b, t)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -87,8 +88,7 @@ def main() -> None:
     a = ap.parse_args()
     from kiln.nn import preset
     cfg = preset("tiny", vocab_size=320)
-    if a.seq_len is None:
-        a.seq_len = cfg.block_size
+    a.seq_len = a.seq_len or cfg.block_size
     if a.worker:
         print(json.dumps(_worker(a.worker, a.steps, a.warmup, a.batch_size, a.seq_len)))
         return
