@@ -86,6 +86,11 @@ class HostGradStash:
             h = self._host[i]
             sizes[h.dtype] = max(sizes.get(h.dtype, 0), h.size)
         staging = {dt: [b.empty((n,), dt), b.empty((n,), dt)] for dt, n in sizes.items()}
+        # The staging blocks may have been backward's, which queued kernels on the compute stream can still
+        # be reading: the copy stream writes them only after everything queued there so far.
+        ready = b.event()
+        ready.record(b.stream())
+        self._copy_stream.wait_event(ready)
         landed, used = [None, None], [None, None]
 
         def issue(k):
