@@ -194,9 +194,8 @@ class AdamW:
             params = self.params
             backend = params[0].backend
             self._norm_parts = backend.grad_norm_parts([p.data for p in params])
-            if host and self._stash is None:
-                self._stash = HostGradStash(backend)
             if host:
+                self._stash = self._stash or HostGradStash(backend)
                 self._stash.order.clear()  # what a failed step left
             try:
                 self._run_pass("stash" if host else "norm", loss, retain_graph=not host)
@@ -209,7 +208,6 @@ class AdamW:
         self.step_count += 1
         try:
             if host:
-                params = self.params
                 for i, grad in self._stash.returned():
                     self._update(i, params[i], grad)
             else:
