@@ -11,8 +11,9 @@ torch.compile(model) (minutes of compiling at 76 layers: not in the default set)
 kiln: AdamW(in_backward=True) updates each parameter as its gradient is final and keeps none
 (12 bytes a parameter); the clip is exact, by a first backward that only sums the squares (so "on"
 costs a second backward), or ("host") by one backward that sums them and parks each gradient in pinned
-host memory for the updates after it (PCIe both ways, not in the predicted ratio); the first --recompute-blocks blocks keep only their inputs (default: the
-fewest that the memory arithmetic below says fit). Each (framework, layers, clip) runs in its own
+host memory for the updates after it (PCIe both ways: the predicted ratio counts the copies back at
+PCIE_BYTES_PER_S); the first --recompute-blocks blocks keep only their inputs (default: the fewest
+that the memory arithmetic below says fit). Each (framework, layers, clip) runs in its own
 process on random tokens, steps op by op (the Trainer does not capture an in-backward step), nothing
 read back inside the timed steps. The figure of merit is tokens/s x parameters against PyTorch's at
 its layers (the target: >= 0.9 at >= 10.5B parameters). Writes

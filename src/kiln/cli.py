@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update each parameter inside backward as its gradient is final and keep no gradients "
                         "(12 bytes a parameter, not 16: the largest model; a clip costs a second backward); "
                         "one micro-batch a step, one device")
-    t.add_argument("--adamw-clip-via", choices=("recompute", "host"),
+    t.add_argument("--adamw-clip-via",  # its values are checked where they are defined (TrainConfig.validate)
                    help="with --adamw-in-backward, how the exact clip gets each gradient again once the norm is "
                         "known: recompute (a second backward; default) or host (each gradient parked in pinned "
                         "host memory: one backward, the gradients' bytes over PCIe both ways)")
