@@ -826,20 +826,18 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&c)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(c[j][e])::"memory");
 }
 
-// acc[N/8][4] += A[64, K] · B for the block's warpgroup (Add = false: acc = A · B, its old values
-// ignored, so a product of fresh scores needs no zeroing: 64 register moves a tile saved), issued (not
-// waited for): A given as fragments a[K/16][4], B the SwTile at shared address b, read K-major (TB = 0:
-// the tile is Bᵀ, [N][K]) or MN-major (TB = 1: the tile is B, [K][N]). acc and a belong to the tensor
-// cores until wg_wait: several products can be in flight while the warps compute something else.
-template <typename T, int N, int K, int R, int D, int TB, bool Add = true>
+// acc[N/8][4] += A[64, K] · B for the block's warpgroup, issued (not waited for): A given as
+// fragments a[K/16][4], B the SwTile at shared address b, read K-major (TB = 0: the tile is Bᵀ,
+// [N][K]) or MN-major (TB = 1: the tile is B, [K][N]). acc and a belong to the tensor cores until
+// wg_wait: several products can be in flight while the warps compute something else.
+template <typename T, int N, int K, int R, int D, int TB>
 __device__ __forceinline__ void wg_issue(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
     static_assert(TB ? (R == K && D == N) : (R == N && D == K), "the tile's shape is B's");
     fence_regs(acc);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk)
-        Wgmma<T, N>::template run<TB>(acc, a[kk], TB ? SwTile<R, D>::mn_major(b, kk) : SwTile<R, D>::k_major(b, kk),
-                                      kk > 0 || Add);
+        Wgmma<T, N>::template run<TB>(acc, a[kk], TB ? SwTile<R, D>::mn_major(b, kk) : SwTile<R, D>::k_major(b, kk), 1);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
@@ -850,9 +848,9 @@ template <int G> __device__ __forceinline__ void wg_wait() {
 }
 
 // The product, waited for.
-template <typename T, int N, int K, int R, int D, int TB, bool Add = true>
+template <typename T, int N, int K, int R, int D, int TB>
 __device__ __forceinline__ void wg_mma(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
-    wg_issue<T, N, K, R, D, TB, Add>(acc, a, b);
+    wg_issue<T, N, K, R, D, TB>(acc, a, b);
     wg_wait<0>();
     fence_regs(acc);
 }
@@ -947,7 +945,8 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
     float s[BN / 8][4];
-    wg_mma<T, BN, D, BN, D, 0, false>(s, qa, ks);
+    zero_acc(s);
+    wg_mma<T, BN, D, BN, D, 0>(s, qa, ks);
     for (int it = 0; it < n_tiles; ++it) {
         const int n0 = it * BN, buf = it & 1;
         // K(it + 1) and V(it) have landed for everyone, and everyone's S(it) and P·V(it - 1) are
@@ -958,7 +957,10 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
         cp_async_commit();
         const bool next = it + 1 < n_tiles;
         float sn[BN / 8][4];
-        if (next) wg_issue<T, BN, D, BN, D, 0, false>(sn, qa, ks + (buf ^ 1) * Tile::BYTES);
+        if (next) {
+            zero_acc(sn);
+            wg_issue<T, BN, D, BN, D, 0>(sn, qa, ks + (buf ^ 1) * Tile::BYTES);
+        }
         // some key of this tile is hidden from some row of this warp
         const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;
         float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
@@ -1088,16 +1090,11 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attenti
         const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
         // Sᵀ and dPᵀ are issued together; P is formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs.
         float p[BQ / 8][4], ds[BQ / 8][4];
-        // At D = 128 the products accumulate onto zeros: overwriting them left ptxas 16 bytes of spill
-        // where zeroing leaves 8 (KEPT_SPILLS in tests/test_kernel_compile.py).
-        constexpr bool kZeroed = D >= 128;
-        if constexpr (kZeroed) {
-            zero_acc(p);
-            zero_acc(ds);
-            fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
-        }
-        wg_issue<T, BQ, D, BQ, D, 0, kZeroed>(p, ka, qb);
-        wg_issue<T, BQ, D, BQ, D, 0, kZeroed>(ds, va, gb);
+        zero_acc(p);
+        zero_acc(ds);
+        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
+        wg_issue<T, BQ, D, BQ, D, 0>(p, ka, qb);
+        wg_issue<T, BQ, D, BQ, D, 0>(ds, va, gb);
         wg_wait<1>();
         fence_regs(p);
 #pragma unroll
@@ -1180,8 +1177,11 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
         const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
         // S and dP are issued together; P is formed while dP runs.
         float p[BN / 8][4], ds[BN / 8][4];
-        wg_issue<T, BN, D, BN, D, 0, false>(p, qa, kb);
-        wg_issue<T, BN, D, BN, D, 0, false>(ds, ga, vb);
+        zero_acc(p);
+        zero_acc(ds);
+        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
+        wg_issue<T, BN, D, BN, D, 0>(p, qa, kb);
+        wg_issue<T, BN, D, BN, D, 0>(ds, ga, vb);
         wg_wait<1>();
         fence_regs(p);
 #pragma unroll
@@ -1386,8 +1386,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
         // As attention_bwd_dkdv_tc: Sᵀ and dPᵀ issued together, P formed while dPᵀ runs, dSᵀ while dV does.
         const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q || key0 + 16 > n_k;  // keys past n_k feed dS, hence dQ
         float p[BQ / 8][4], ds[BQ / 8][4];
-        wg_issue_ss<T, BQ, D, KTile, Tile, 0, 0>(p, ks, qb, 0);
-        wg_issue<T, BQ, D, BQ, D, 0, false>(ds, va, gb);
+        zero_acc(p);
+        zero_acc(ds);
+        fence_regs(ds);
+        wg_issue_ss<T, BQ, D, KTile, Tile, 0, 0>(p, ks, qb, 1);
+        wg_issue<T, BQ, D, BQ, D, 0>(ds, va, gb);
         wg_wait<1>();
         fence_regs(p);
 #pragma unroll
@@ -1598,25 +1601,20 @@ struct TmaJob {
 // The online softmax of one tile of scores sc (keys n0.., this thread's rows r_lo and r_hi of the
 // warp's rows row0..row0 + 15), in place: sc becomes the unnormalised probabilities, m and l the
 // running row max (log2 units) and this lane's part of the row sum, a the factor O is rescaled by.
-// The scale is applied inside each exponent's FFMA (2^(s·sl2 - m)) and the max taken of the raw
-// scores (sl2 > 0 and rounding are monotonic: max(s)·sl2 is the max of the products): a score costs an
-// FFMA, a max, an ex2 and an add, and the masks run only on tiles that cross the diagonal or n_k.
 template <int BN>
 __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0, int row0, int r_lo, int r_hi, int c,
                                                  int off, int n_k, float sl2, float& m_lo, float& m_hi, float& l_lo,
                                                  float& l_hi, float& a_lo, float& a_hi) {
-    if (n0 + BN - 1 > row0 + off || n0 + BN > n_k) {  // some key hidden from some row of the warp
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + j * 8 + 2 * c + (e & 1);
-                if (key > (e < 2 ? r_lo : r_hi) + off || key >= n_k) sc[j][e] = -KILN_INF;
-            }
-    }
+    const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key hidden from some row of the warp
     float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = n0 + j * 8 + 2 * c + (e & 1);
+            const int row = e < 2 ? r_lo : r_hi;
+            sc[j][e] = (edge && (key > row + off || key >= n_k)) ? -KILN_INF : sc[j][e] * sl2;
+        }
         mx_lo = fmaxf(mx_lo, fmaxf(sc[j][0], sc[j][1]));
         mx_hi = fmaxf(mx_hi, fmaxf(sc[j][2], sc[j][3]));
     }
@@ -1625,7 +1623,7 @@ __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0,
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o_));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o_));
     }
-    const float mn_lo = fmaxf(m_lo, mx_lo * sl2), mn_hi = fmaxf(m_hi, mx_hi * sl2);
+    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
     // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
     const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
     a_lo = ex2(m_lo - sub_lo);
@@ -1635,10 +1633,10 @@ __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0,
     float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
-        sc[j][0] = ex2(fmaf(sc[j][0], sl2, -sub_lo));
-        sc[j][1] = ex2(fmaf(sc[j][1], sl2, -sub_lo));
-        sc[j][2] = ex2(fmaf(sc[j][2], sl2, -sub_hi));
-        sc[j][3] = ex2(fmaf(sc[j][3], sl2, -sub_hi));
+        sc[j][0] = ex2(sc[j][0] - sub_lo);
+        sc[j][1] = ex2(sc[j][1] - sub_lo);
+        sc[j][2] = ex2(sc[j][2] - sub_hi);
+        sc[j][3] = ex2(sc[j][3] - sub_hi);
         sum_lo += sc[j][0] + sc[j][1];
         sum_hi += sc[j][2] + sc[j][3];
     }
@@ -1713,9 +1711,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         // product a wait completes (a conditional issue made it serialise them: C7514).
         {
             float sc[BN / 8][4];
+            zero_acc(sc);
+            fence_regs(sc);
             mbar_wait(full + 8 * (kv % S), (kv / S) & 1);
             if (PingPong) named_sync(kTmaTurnBarrier + me, 256);  // this consumer's turn at the tensor cores
-            wg_issue<T, BN, D, BN, D, 0, false>(sc, qa, ks + (kv % S) * Shape::KV_BYTES);
+            wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + (kv % S) * Shape::KV_BYTES);
             if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<0>();
             fence_regs(sc);
@@ -1725,9 +1725,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         for (int it = 1; it < jb.n_tiles; ++it) {
             const int st = (kv + it) % S, prev = (kv + it - 1) % S;
             float sc[BN / 8][4];
+            zero_acc(sc);
+            fence_regs(sc);  // zeroed before the products are issued, not while they run
             mbar_wait(full + 8 * st, ((kv + it) / S) & 1);
             if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
-            wg_issue<T, BN, D, BN, D, 0, false>(sc, qa, ks + st * Shape::KV_BYTES);
+            wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + st * Shape::KV_BYTES);
             wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + prev * Shape::KV_BYTES);
             if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<1>();  // S(it) is done; P(it - 1)·V(it - 1) may still run
