@@ -26,7 +26,10 @@ The bfloat16/float16 backward is, by default, three kernels (delta = rowsum(dO·
 blocks; dQ by query blocks, S and dP computed in both). KILN_ATTENTION_BWD=fused (head dims 64 and
 128) runs delta and one kernel for dK, dV and dQ (`attention_bwd_fused_tc`: the key-block walk adds
 each tile's dQ into an fp32 accumulator, the key blocks of a query tile in a fixed order behind a
-semaphore, so the result is bitwise repeatable). KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import)
+semaphore, so the result is bitwise repeatable). KILN_ATTENTION_BWD=fused-atomic runs the same kernel
+without the semaphores: every key block adds its dQ as soon as it has it (RED, in whatever order the
+blocks run: the last bits of dQ vary from run to run, as with flash-attention 2's backward), and a
+last kernel writes dq from the accumulator. KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import)
 sets the split dK/dV kernel's query rows a tile and the resident blocks it asks ptxas for, per head dim
 (the fused kernel keeps its own: its dQᵀ products need 64 rows at D = 64).
 """
@@ -47,7 +50,7 @@ TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 war
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
-BWD_VARIANTS = ("split", "fused")  # KILN_ATTENTION_BWD: the bf16/fp16 backward kernels
+BWD_VARIANTS = ("split", "fused", "fused-atomic")  # KILN_ATTENTION_BWD: the bf16/fp16 backward kernels
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
 FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
 # The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
@@ -100,7 +103,9 @@ def _instantiations():
         out += [f"attention_bwd_delta<{t}, {d}>" for t in FLOAT_CTYPES]
     out += [f"attention_fwd_tma<{t}, {d}, {pp}>" for t in FLOAT_CTYPES[1:] for d in TMA_HEAD_DIMS
             for pp in ("false", "true")]
-    out += [f"attention_bwd_fused_tc<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS]
+    out += [f"attention_bwd_fused_tc<{t}, {d}, {ordered}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS
+            for ordered in ("true", "false")]
+    out += [f"attention_bwd_dq_store<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS]
     return out
 
 
@@ -316,16 +321,25 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,),
         (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
     common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, os_))
-    if tc and d in FUSED_HEAD_DIMS and bwd_variant() == "fused":
-        # dQ in fp32 (key block 0 stores, later ones add in order, the last writes dq), the semaphores
-        # and the ticket counter zeroed on kiln's stream (kernel comment: attention_bwd_fused_tc)
-        acc = cp.empty((b * h, n_q, d), dtype=cp.float32)
-        rt.stream()  # the memset below is CuPy's: on kiln's stream, so a captured step zeroes them every replay
-        sem = cp.zeros(fused_semaphores(b * h, n_q, d), dtype=cp.int32)
-        get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}>")(
+    variant = bwd_variant() if tc and d in FUSED_HEAD_DIMS else "split"
+    if variant != "split":
+        # dQ in fp32 [B·H, n_q, D]. fused: key block 0 stores, later ones add in order, the last writes dq;
+        # the semaphores and the ticket counter zeroed on kiln's stream (kernel comment:
+        # attention_bwd_fused_tc). fused-atomic: the accumulator zeroed, every key block adds (RED, in
+        # whatever order the blocks run), then attention_bwd_dq_store writes dq.
+        ordered = variant == "fused"
+        rt.stream()  # the memsets below are CuPy's: on kiln's stream, so a captured step zeroes every replay
+        acc = (cp.empty if ordered else cp.zeros)((b * h, n_q, d), dtype=cp.float32)
+        # the unordered kernel reads no semaphore: a null pointer
+        sem = cp.zeros(fused_semaphores(b * h, n_q, d), dtype=cp.int32) if ordered else i64(0)
+        get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}, {str(ordered).lower()}>")(
             (cdiv(n_k, TC_ROWS) * b * h,), (TC_THREADS,),
             (q, k, v, grad, lse, delta, dq, dk, dv, acc, sem, i32(b * h), *common, *_args(dqs, dkvs)),
             shared_mem=fused_shared_bytes(d))
+        if not ordered and acc.size:
+            get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}>")(
+                (cdiv(acc.size // 4, 256),), (256,), (acc, dq, i64(acc.size), i32(n_q), i32(h), f32(scale),
+                                                     *_args(dqs)))
         return _fill(into, (dq, dk, dv))
     if tc:
         suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS

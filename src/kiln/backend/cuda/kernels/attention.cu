@@ -18,7 +18,8 @@
 // that see it; `attention_bwd_dq` owns a block of queries and walks the key tiles it sees.
 // Each output element is written by one thread with a fixed summation order: no atomics,
 // deterministic. (`attention_bwd_fused_tc`, near the end, does both walks' work in the first one
-// and adds dQ's contributions in a fixed order behind semaphores: also deterministic.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
+// and adds dQ's contributions in a fixed order behind semaphores: also deterministic; without the
+// semaphores, Ordered = false, it adds them in whatever order the blocks run: not.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
 // bfloat16 and float16 take the tensor-core kernels (`*_tc`, Hopper wgmma) at the end of this
 // file, which keep the same structure.
 #include "common.cuh"
@@ -1236,6 +1237,10 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // blocks with the most query tiles (as dkdv's launch order). The launcher zeroes the semaphores
 // and the counter (n_bh * cdiv(n_q, BQ) + 1 ints) on kiln's stream before each launch.
 // Head dims that are multiples of 64 (the M of dQᵀ's wgmma is D, 64 rows per product).
+// Ordered = false drops the semaphores and the ticket (a block's job is its blockIdx, the same order):
+// the launcher zeroes the accumulator, every key block adds its tile with RED as soon as its products
+// are done, and attention_bwd_dq_store writes dq afterwards (flash-attention 2's dQ accumulation). No
+// block waits for another, the sums' order is the hardware's.
 
 // wgmma.mma_async m64nNk16, A and B both by descriptor; TA = 1 takes A M-major (the tile is Aᵀ).
 template <typename T, int N> struct WgmmaSS;
@@ -1314,7 +1319,7 @@ __device__ __forceinline__ void red_add(float* p, float x) {
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
 }
 
-template <typename T, int D>
+template <typename T, int D, bool Ordered>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, T* __restrict__ dk,
@@ -1332,9 +1337,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     const u32 qs = align1024(dsmem), gs = qs + 2 * Tile::BYTES, ks = gs + 2 * Tile::BYTES, ss = ks + KTile::BYTES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int n_qt = (n_q + BQ - 1) / BQ, n_kb = (n_k + kTcRows - 1) / kTcRows;
-    if (threadIdx.x == 0) job = atomicAdd(sem + (long long)n_bh * n_qt, 1);  // the ticket
-    __syncthreads();
-    const int kb = job / n_bh, bh = job % n_bh;
+    if (Ordered) {
+        if (threadIdx.x == 0) job = atomicAdd(sem + (long long)n_bh * n_qt, 1);  // the ticket
+        __syncthreads();
+    }
+    const int ticket = Ordered ? job : (int)blockIdx.x;
+    const int kb = ticket / n_bh, bh = ticket % n_bh;
     sem += (long long)bh * n_qt;
     dq_acc += (long long)bh * n_q * D;
     dq += head_offset(bh, n_h, dq_sb, dq_sh);
@@ -1430,7 +1438,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
             wg_issue_ss<T, BQ, kTcRows, KTile, STile, 1, 0>(dqt[mb], ks + mb * kTcRows * KTile::SW, ss, 0);
         // Our turn at query tile q0 / BQ, waited for while the products run.
         const int tile = q0 / BQ, last = min(n_kb - 1, (min(q0 + BQ, n_q) - 1 + off) / kTcRows);
-        if (threadIdx.x == 0 && kb > 0)
+        if (Ordered && threadIdx.x == 0 && kb > 0)
             while (ld_acquire(sem + tile) != kb) {
             }
         __syncwarp();  // warp 0 whole again before the warpgroup-wide (.aligned) wait
@@ -1439,7 +1447,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
         fence_regs(dk_acc);
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb) fence_regs(dqt[mb]);
-        __syncthreads();  // the turn is this block's: key blocks 0..kb-1 have added theirs
+        if (Ordered) __syncthreads();  // the turn is this block's: key blocks 0..kb-1 have added theirs
         // dqt[mb][j][e]: d = 64 mb + 16 warp + g (+ 8 for e >= 2), query q0 + 8 j + 2 c (+ 1 for odd e).
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb)
@@ -1451,7 +1459,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
                     if (query < n_q) {  // the first stores, the middle ones add (RED), the last reads and writes dq
                         float* a = dq_acc + ((long long)query * D + d);
                         const float x = dqt[mb][j][e];
-                        if (kb == last)
+                        if (!Ordered)
+                            red_add(a, x);  // any order: attention_bwd_dq_store writes dq once all have added
+                        else if (kb == last)
                             dq[(long long)query * dq_st + d] = from_float<T>((kb > 0 ? __ldcg(a) + x : x) * scale);
                         else if (kb == 0)
                             __stcg(a, x);
@@ -1459,7 +1469,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
                             red_add(a, x);  // in turn: the order of the additions is fixed
                     }
                 }
-        if (kb < last) {
+        if (Ordered && kb < last) {
             __threadfence();  // this thread's part of the sum visible on the GPU before the turn passes
             __syncthreads();
             if (threadIdx.x == 0) st_release(sem + tile, kb + 1);
@@ -1468,6 +1478,22 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     }
     frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
     frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
+}
+
+// The unordered fused backward's last step: dq = scale * acc, acc [B·H, n_q, D] fp32 (contiguous), dq
+// in the caller's layout; a thread converts 4 elements (a float4 of acc).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __restrict__ acc, T* __restrict__ dq,
+                                                              long long n, int n_q, int n_h, float scale,
+                                                              KILN_LAYOUT(dq)) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;  // D % 4 == 0: one row
+    if (i >= n) return;
+    const float4 x = *reinterpret_cast<const float4*>(acc + i);
+    const long long row = i / D;
+    const int bh = (int)(row / n_q), query = (int)(row % n_q), d = (int)(i % D);
+    T* p = dq + (head_offset(bh, n_h, dq_sb, dq_sh) + query * dq_st + d);
+    *reinterpret_cast<u32*>(p) = pack2<T>(x.x * scale, x.y * scale);
+    *reinterpret_cast<u32*>(p + 2) = pack2<T>(x.z * scale, x.w * scale);
 }
 
 // ---- Forward with flash-attention 3's structure (Shah et al. 2024): TMA, mbarriers, warp specialisation
