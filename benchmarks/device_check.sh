@@ -36,9 +36,10 @@
 # forward and backward against SDPA, all graph-timed, ~5 min), attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
 # the forwards' ptxas report, a 2-minute smoke test, then benchmarks/attention.py with the three forwards against
 # SDPA and its tests, bf16, ~10 minutes at most: a call of its own),
-# attention-atomic (issue 14: the fused backward without its semaphores, KILN_ATTENTION_BWD=fused-atomic: a smoke
-# test, benchmarks/attention.py --bwd split,fused-atomic,fused, kiln's bf16 GPT-2 step under it and under split,
-# then its tests, ~10 minutes at most: a call of its own),
+# attention-atomic (issue 14: the fused backwards without semaphores, KILN_ATTENTION_BWD=fused-atomic and fused-bulk:
+# a smoke test, benchmarks/attention.py --bwd split,fused-atomic,fused-bulk,fused, then their tests, ~9 minutes at
+# most: a call of its own), attention-atomic-gpt2 (kiln's bf16 GPT-2 step under each backward of BWDS, default
+# "split fused-atomic fused-bulk", ~2 minutes each),
 # attention-tiles (issue 14: the split dK/dV kernel under KILN_ATTENTION_DKDV_TILES, the default and two tilings:
 # the backward tests, benchmarks/attention.py --bwd split and kiln's bf16 GPT-2 step under each, ~4 min),
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
@@ -134,14 +135,16 @@ for p in "$@"; do
                        part attention-bwd-tests 200 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
                            tests/test_op_attention.py -k "fused" ;;
         attention-atomic) part attention-atomic-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
-                              tests/test_op_attention.py -k "bwd_fused_equals_split and atomic and 1024"
-                          part attention-atomic-bench 240 python3 benchmarks/attention.py --bwd split,fused-atomic,fused &&
-                          KILN_ATTENTION_BWD=fused-atomic part gpt2_step-fused-atomic 100 python3 benchmarks/gpt2_step.py \
-                              --modes bf16 --steps 40 --warmup 10 --frameworks kiln --out "$LOGS/gpt2-fused-atomic" &&
-                          part gpt2_step-split 100 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 \
-                              --frameworks kiln --out "$LOGS/gpt2-split"
+                              tests/test_op_attention.py -k "bwd_fused_equals_split and (shape0 or shape1) and (atomic or bulk)"
+                          part attention-atomic-bench 240 python3 benchmarks/attention.py \
+                              --bwd split,fused-atomic,fused-bulk,fused
                           part attention-atomic-tests 200 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
-                              tests/test_op_attention.py -k "atomic" ;;
+                              tests/test_op_attention.py -k "atomic or bulk" ;;
+        attention-atomic-gpt2) for variant in ${BWDS:-split fused-atomic fused-bulk}; do
+                                   KILN_ATTENTION_BWD=$variant part "gpt2_step-$variant" 120 python3 \
+                                       benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 --frameworks kiln \
+                                       --out "$LOGS/gpt2-$variant"
+                               done ;;
         attention) part attention-fused-tests 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
                        tests/test_op_attention.py -k "bwd_fused_masks or bwd_fused_replays"
                    part attention-bench 330 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong \

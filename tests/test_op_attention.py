@@ -56,10 +56,13 @@ def test_causal_self_attention_on_packed_qkv_matches_pytorch_and_finite_differen
 # --- attention ----------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["split", "fused", "fused-atomic"])
+UNORDERED = ("fused-atomic", "fused-bulk")  # the fused backwards that add dQ in the hardware's order
+
+
+@pytest.fixture(params=["split", "fused", *UNORDERED])
 def bwd(request, monkeypatch):
     """The backward tests run with every bf16/fp16 backward (KILN_ATTENTION_BWD): the dK/dV and dQ
-    kernels, the fused kernel that adds dQ in a fixed order, and the fused kernel that adds it in any."""
+    kernels, the fused kernel that adds dQ in a fixed order, and the fused kernels that add it in any."""
     monkeypatch.setenv("KILN_ATTENTION_BWD", request.param)
     return request.param
 
@@ -243,8 +246,8 @@ def test_context_parallel_blocks_on_the_gpu_equal_full_causal_attention(gpu, rng
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_attention_is_bitwise_repeatable(gpu, rng, bwd, dtype):
     """Two runs of the forward and backward on the same inputs give the same bits (no atomics; the
-    fused backward's dQ adds in a fixed order). fused-atomic's dQ adds in the hardware's order: its
-    dq is only close, everything else the same bits."""
+    fused backward's dQ adds in a fixed order). The unordered backwards' dQ adds in the hardware's order:
+    their dq is only close, everything else the same bits."""
     _fused_runs(bwd, dtype, 64)
     shape = (2, 4, 300, 64)
     q, k, v, g = (gpu.asarray(rand(shape, dtype, rng)) for _ in range(4))
@@ -253,7 +256,7 @@ def test_attention_is_bitwise_repeatable(gpu, rng, bwd, dtype):
         out, lse = gpu.attention_fwd(q, k, v, 0.125)
         runs.append([gpu.to_numpy(a) for a in (out, lse, *gpu.attention_bwd(g, q, k, v, out, lse, 0.125))])
     for i, (a, b_) in enumerate(zip(*runs)):
-        if bwd == "fused-atomic" and i == 2:
+        if bwd in UNORDERED and i == 2:
             close(gpu, a.astype(np.float64), b_.astype(np.float64), dtype)
         else:
             assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
@@ -286,7 +289,7 @@ FUSED_SHAPES = [((16, 12, 1024, 1024, 64), True, 0), ((4, 16, 2048, 2048, 128), 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("fused", ["fused", "fused-atomic"])
+@pytest.mark.parametrize("fused", ["fused", *UNORDERED])
 def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype, fused):
     """The fused backward against the split kernels on the same inputs, within the dtype's tolerance
     and elementwise within a few ulps (a query tile that missed a key block's contribution is off by
@@ -318,12 +321,12 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")
     assert bwd_variant() == "fused"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fa3")
-    with pytest.raises(ConfigError, match="one of split, fused, fused-atomic, got 'fa3'"):
+    with pytest.raises(ConfigError, match="one of split, fused, fused-atomic, fused-bulk, got 'fa3'"):
         bwd_variant()
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", ["fused", "fused-atomic"])
+@pytest.mark.parametrize("fused", ["fused", *UNORDERED])
 def test_attention_bwd_fused_masks_keys_past_the_last_in_ds(gpu, rng, monkeypatch, fused):
     """Full attention over 37 keys with q and k anti-aligned, so every lse is about -15: a key past n_k
     (zero-filled, S = 0) would give dS = -exp(-lse)·delta, beyond fp16's range, and inf·0 = NaN in every
@@ -347,11 +350,11 @@ def test_attention_bwd_fused_masks_keys_past_the_last_in_ds(gpu, rng, monkeypatc
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", ["fused", "fused-atomic"])
+@pytest.mark.parametrize("fused", ["fused", *UNORDERED])
 def test_attention_bwd_fused_replays_in_a_captured_graph(monkeypatch, fused):
-    """The fused backward's semaphores and ticket (fused-atomic: its dQ accumulator) are zeroed on kiln's
+    """The fused backward's semaphores and ticket (the unordered ones: their dQ accumulator) are zeroed on kiln's
     stream, so a captured step zeroes them on every replay: three replays on new inputs equal the step run
-    op by op, bit for bit (stale tickets would hang the kernel or mis-order dQ); fused-atomic's dq, summed
+    op by op, bit for bit (stale tickets would hang the kernel or mis-order dQ); the unordered ones' dq, summed
     in the hardware's order, within bf16's tolerance (a stale accumulator would carry the last replay's)."""
     if not kiln.cuda_is_available():
         pytest.skip("needs an NVIDIA GPU with CuPy")
@@ -375,7 +378,7 @@ def test_attention_bwd_fused_replays_in_a_captured_graph(monkeypatch, fused):
         got = [t.numpy() for t in graph(g)]
         want = [t.numpy() for t in step(g)]
         for i, (a, b_) in enumerate(zip(got, want)):
-            if fused == "fused-atomic" and i == 1:
+            if fused in UNORDERED and i == 1:
                 np.testing.assert_allclose(a.astype(np.float32), b_.astype(np.float32), rtol=2e-2, atol=2e-2)
             else:
                 assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
@@ -390,6 +393,8 @@ def test_attention_bwd_fused_sizes():
     from kiln.backend.cuda.attention import delta_rows_per_block, fused_semaphores, fused_shared_bytes
     assert fused_shared_bytes(64) == 4 * 8192 + 8192 + 8192 + 1024 == 50176
     assert fused_shared_bytes(128) == 4 * 4096 + 16384 + 2048 + 1024 == 35840
+    assert fused_shared_bytes(64, "fused-bulk") == 50176 + 64 * 64 * 4  # and dQ's fp32 tile to reduce from
+    assert fused_shared_bytes(128, "fused-bulk") == 35840 + 16 * 128 * 4
     assert fused_semaphores(192, 1024, 64) == 192 * 16 + 1 and fused_semaphores(4, 100, 128) == 4 * 7 + 1
     assert [delta_rows_per_block(d, 2) for d in (32, 64, 128)] == [64, 32, 16]
     assert [delta_rows_per_block(d, 4) for d in (32, 64, 128)] == [32, 16, 8]

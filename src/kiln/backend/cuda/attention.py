@@ -50,7 +50,8 @@ TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 war
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
-BWD_VARIANTS = ("split", "fused", "fused-atomic")  # KILN_ATTENTION_BWD: the bf16/fp16 backward kernels
+BWD_VARIANTS = ("split", "fused", "fused-atomic", "fused-bulk")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
+FUSED_ADD = {"fused": 0, "fused-atomic": 1, "fused-bulk": 2}  # attention_bwd_fused_tc's Add: kDqOrdered, kDqRed, kDqBulk
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
 FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
 # The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
@@ -103,9 +104,10 @@ def _instantiations():
         out += [f"attention_bwd_delta<{t}, {d}>" for t in FLOAT_CTYPES]
     out += [f"attention_fwd_tma<{t}, {d}, {pp}>" for t in FLOAT_CTYPES[1:] for d in TMA_HEAD_DIMS
             for pp in ("false", "true")]
-    out += [f"attention_bwd_fused_tc<{t}, {d}, {ordered}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS
-            for ordered in ("true", "false")]
-    out += [f"attention_bwd_dq_store<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS]
+    out += [f"attention_bwd_fused_tc<{t}, {d}, {add}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS
+            for add in FUSED_ADD.values()]
+    out += [f"attention_bwd_dq_store<{t}, {d}, {add}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS
+            for add in list(FUSED_ADD.values())[1:]]
     return out
 
 
@@ -143,11 +145,11 @@ def delta_rows_per_block(d: int, itemsize: int) -> int:
     return 256 // (d // (16 // itemsize))
 
 
-def fused_shared_bytes(d: int) -> int:
+def fused_shared_bytes(d: int, variant: str = "fused") -> int:
     """attention_bwd_fused_tc's dynamic shared memory: Q and dO tiles (two buffers each), K's tile, dS's
-    tile [BQ, 64], and 1024 bytes to align the base for the swizzle."""
+    tile [BQ, 64], fused-bulk's fp32 dQ tile [BQ, D], and 1024 bytes to align the base for the swizzle."""
     bq = FUSED_Q[d]
-    return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + 1024
+    return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + (bq * d * 4 if variant == "fused-bulk" else 0) + 1024
 
 
 def fused_semaphores(bh: int, n_q: int, d: int) -> int:
@@ -327,17 +329,18 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         # the semaphores and the ticket counter zeroed on kiln's stream (kernel comment:
         # attention_bwd_fused_tc). fused-atomic: the accumulator zeroed, every key block adds (RED, in
         # whatever order the blocks run), then attention_bwd_dq_store writes dq.
-        ordered = variant == "fused"
+        add = FUSED_ADD[variant]
         rt.stream()  # the memsets below are CuPy's: on kiln's stream, so a captured step zeroes every replay
-        acc = (cp.empty if ordered else cp.zeros)((b * h, n_q, d), dtype=cp.float32)
-        # the unordered kernel reads no semaphore: a null pointer
-        sem = cp.zeros(fused_semaphores(b * h, n_q, d), dtype=cp.int32) if ordered else i64(0)
-        get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}, {str(ordered).lower()}>")(
+        rows = cdiv(n_q, FUSED_Q[d]) * FUSED_Q[d] if variant == "fused-bulk" else n_q
+        acc = (cp.empty if add == 0 else cp.zeros)((b * h, rows, d), dtype=cp.float32)
+        # the unordered kernels read no semaphore: a null pointer
+        sem = cp.zeros(fused_semaphores(b * h, n_q, d), dtype=cp.int32) if add == 0 else i64(0)
+        get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}, {add}>")(
             (cdiv(n_k, TC_ROWS) * b * h,), (TC_THREADS,),
             (q, k, v, grad, lse, delta, dq, dk, dv, acc, sem, i32(b * h), *common, *_args(dqs, dkvs)),
-            shared_mem=fused_shared_bytes(d))
-        if not ordered and acc.size:
-            get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}>")(
+            shared_mem=fused_shared_bytes(d, variant))
+        if add and acc.size:
+            get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}, {add}>")(
                 (cdiv(acc.size // 4, 256),), (256,), (acc, dq, i64(acc.size), i32(n_q), i32(h), f32(scale),
                                                      *_args(dqs)))
         return _fill(into, (dq, dk, dv))

@@ -19,7 +19,7 @@
 // Each output element is written by one thread with a fixed summation order: no atomics,
 // deterministic. (`attention_bwd_fused_tc`, near the end, does both walks' work in the first one
 // and adds dQ's contributions in a fixed order behind semaphores: also deterministic; without the
-// semaphores, Ordered = false, it adds them in whatever order the blocks run: not.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
+// semaphores, Add = kDqRed or kDqBulk, it adds them in whatever order the blocks run: not.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
 // bfloat16 and float16 take the tensor-core kernels (`*_tc`, Hopper wgmma) at the end of this
 // file, which keep the same structure.
 #include "common.cuh"
@@ -1237,10 +1237,11 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // blocks with the most query tiles (as dkdv's launch order). The launcher zeroes the semaphores
 // and the counter (n_bh * cdiv(n_q, BQ) + 1 ints) on kiln's stream before each launch.
 // Head dims that are multiples of 64 (the M of dQᵀ's wgmma is D, 64 rows per product).
-// Ordered = false drops the semaphores and the ticket (a block's job is its blockIdx, the same order):
-// the launcher zeroes the accumulator, every key block adds its tile with RED as soon as its products
-// are done, and attention_bwd_dq_store writes dq afterwards (flash-attention 2's dQ accumulation). No
-// block waits for another, the sums' order is the hardware's.
+// Add = kDqRed or kDqBulk drops the semaphores and the ticket (a block's job is its blockIdx, the same
+// order): the launcher zeroes the accumulator, every key block adds its tile as soon as its products are
+// done (kDqRed: RED per element, flash-attention 2's dQ accumulation; kDqBulk: the tile staged in shared
+// memory and added by one cp.reduce.async.bulk, flash-attention 3's), and attention_bwd_dq_store writes dq
+// afterwards. No block waits for another; the sums' order is the hardware's.
 
 // wgmma.mma_async m64nNk16, A and B both by descriptor; TA = 1 takes A M-major (the tile is Aᵀ).
 template <typename T, int N> struct WgmmaSS;
@@ -1319,7 +1320,15 @@ __device__ __forceinline__ void red_add(float* p, float x) {
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
 }
 
-template <typename T, int D, bool Ordered>
+// How the fused backward adds dQ (its template parameter Add): behind the semaphores in a fixed order, with
+// RED in any order, or a bulk reduction of the whole tile from shared memory (cp.reduce.async.bulk) in any order.
+constexpr int kDqOrdered = 0, kDqRed = 1, kDqBulk = 2;
+
+__device__ __forceinline__ void sts128(u32 addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+template <typename T, int D, int Add>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, T* __restrict__ dk,
@@ -1335,16 +1344,17 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     __shared__ __align__(16) float Ds[2][BQ];
     __shared__ int job;
     const u32 qs = align1024(dsmem), gs = qs + 2 * Tile::BYTES, ks = gs + 2 * Tile::BYTES, ss = ks + KTile::BYTES;
+    const u32 stage = ss + STile::BYTES;  // kDqBulk: the tile's dQ, fragment-major, for the bulk reduction
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int n_qt = (n_q + BQ - 1) / BQ, n_kb = (n_k + kTcRows - 1) / kTcRows;
-    if (Ordered) {
+    if (Add == kDqOrdered) {
         if (threadIdx.x == 0) job = atomicAdd(sem + (long long)n_bh * n_qt, 1);  // the ticket
         __syncthreads();
     }
-    const int ticket = Ordered ? job : (int)blockIdx.x;
+    const int ticket = Add == kDqOrdered ? job : (int)blockIdx.x;
     const int kb = ticket / n_bh, bh = ticket % n_bh;
     sem += (long long)bh * n_qt;
-    dq_acc += (long long)bh * n_q * D;
+    dq_acc += (long long)bh * (Add == kDqBulk ? n_qt * BQ : n_q) * D;
     dq += head_offset(bh, n_h, dq_sb, dq_sh);
     q += head_offset(bh, n_h, q_sb, q_sh);
     const long long kvbase = head_offset(bh, n_h, kv_sb, kv_sh);
@@ -1383,6 +1393,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     for (int it = 0; it < n_tiles; ++it) {
         const int q0 = q_begin + it * BQ, buf = it & 1;
         const u32 qb = qs + buf * Tile::BYTES, gb = gs + buf * Tile::BYTES;
+        if (Add == kDqBulk && threadIdx.x == 0)  // the last tile's reduction has read the stage
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         tiles_landed();  // tile it has landed for everyone, and everyone is done with tile it - 1
         if (it + 1 < n_tiles) {
             tile_async<BQ, D>(qs + (buf ^ 1) * Tile::BYTES, q, ld_q, q0 + BQ, n_q);
@@ -1438,7 +1450,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
             wg_issue_ss<T, BQ, kTcRows, KTile, STile, 1, 0>(dqt[mb], ks + mb * kTcRows * KTile::SW, ss, 0);
         // Our turn at query tile q0 / BQ, waited for while the products run.
         const int tile = q0 / BQ, last = min(n_kb - 1, (min(q0 + BQ, n_q) - 1 + off) / kTcRows);
-        if (Ordered && threadIdx.x == 0 && kb > 0)
+        if (Add == kDqOrdered && threadIdx.x == 0 && kb > 0)
             while (ld_acquire(sem + tile) != kb) {
             }
         __syncwarp();  // warp 0 whole again before the warpgroup-wide (.aligned) wait
@@ -1447,7 +1459,23 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
         fence_regs(dk_acc);
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb) fence_regs(dqt[mb]);
-        if (Ordered) __syncthreads();  // the turn is this block's: key blocks 0..kb-1 have added theirs
+        if (Add == kDqOrdered) __syncthreads();  // the turn is this block's: key blocks 0..kb-1 have added theirs
+        if (Add == kDqBulk) {  // float4 f of thread t at (f · 128 + t) · 16 bytes: attention_bwd_dq_store's order
+#pragma unroll
+            for (int mb = 0; mb < D / 64; ++mb)
+#pragma unroll
+                for (int j = 0; j < BQ / 8; ++j)
+                    sts128(stage + ((mb * (BQ / 8) + j) * kAttnThreads + threadIdx.x) * 16, dqt[mb][j][0],
+                           dqt[mb][j][1], dqt[mb][j][2], dqt[mb][j][3]);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                             ::"l"(dq_acc + (long long)tile * BQ * D), "r"(stage), "n"(BQ * D * 4) : "memory");
+                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            }
+            continue;
+        }
         // dqt[mb][j][e]: d = 64 mb + 16 warp + g (+ 8 for e >= 2), query q0 + 8 j + 2 c (+ 1 for odd e).
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb)
@@ -1459,7 +1487,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
                     if (query < n_q) {  // the first stores, the middle ones add (RED), the last reads and writes dq
                         float* a = dq_acc + ((long long)query * D + d);
                         const float x = dqt[mb][j][e];
-                        if (!Ordered)
+                        if (Add == kDqRed)
                             red_add(a, x);  // any order: attention_bwd_dq_store writes dq once all have added
                         else if (kb == last)
                             dq[(long long)query * dq_st + d] = from_float<T>((kb > 0 ? __ldcg(a) + x : x) * scale);
@@ -1469,31 +1497,51 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
                             red_add(a, x);  // in turn: the order of the additions is fixed
                     }
                 }
-        if (Ordered && kb < last) {
+        if (Add == kDqOrdered && kb < last) {
             __threadfence();  // this thread's part of the sum visible on the GPU before the turn passes
             __syncthreads();
             if (threadIdx.x == 0) st_release(sem + tile, kb + 1);
             __syncwarp();
         }
     }
+    if (Add == kDqBulk && threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
     frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
 }
 
-// The unordered fused backward's last step: dq = scale * acc, acc [B·H, n_q, D] fp32 (contiguous), dq
-// in the caller's layout; a thread converts 4 elements (a float4 of acc).
-template <typename T, int D>
+// The unordered fused backward's last step: dq = scale * acc, acc fp32 (contiguous), dq in the caller's
+// layout; a thread converts a float4 of acc. kDqRed's acc is [B·H, n_q, D]; kDqBulk's [B·H, n_qt, BQ·D], each
+// tile fragment-major: float4 f of thread t (its dqt[mb][j], f = mb · BQ/8 + j) at f · 128 + t.
+template <typename T, int D, int Add>
 __global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __restrict__ acc, T* __restrict__ dq,
                                                               long long n, int n_q, int n_h, float scale,
                                                               KILN_LAYOUT(dq)) {
-    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;  // D % 4 == 0: one row
+    constexpr int BQ = TcShape<D>::fused_q;
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i >= n) return;
     const float4 x = *reinterpret_cast<const float4*>(acc + i);
-    const long long row = i / D;
-    const int bh = (int)(row / n_q), query = (int)(row % n_q), d = (int)(i % D);
-    T* p = dq + (head_offset(bh, n_h, dq_sb, dq_sh) + query * dq_st + d);
-    *reinterpret_cast<u32*>(p) = pack2<T>(x.x * scale, x.y * scale);
-    *reinterpret_cast<u32*>(p + 2) = pack2<T>(x.z * scale, x.w * scale);
+    if (Add == kDqRed) {  // D % 4 == 0: the float4 lies in one row
+        const long long row = i / D;
+        const int bh = (int)(row / n_q), query = (int)(row % n_q), d = (int)(i % D);
+        T* p = dq + (head_offset(bh, n_h, dq_sb, dq_sh) + query * dq_st + d);
+        *reinterpret_cast<u32*>(p) = pack2<T>(x.x * scale, x.y * scale);
+        *reinterpret_cast<u32*>(p + 2) = pack2<T>(x.z * scale, x.w * scale);
+        return;
+    }
+    const long long tile = i / (BQ * D);
+    const int n_qt = (n_q + BQ - 1) / BQ, bh = (int)(tile / n_qt), qt = (int)(tile % n_qt);
+    const int r = (int)(i % (BQ * D)) / 4, f = r / kAttnThreads, t = r % kAttnThreads;
+    const int mb = f / (BQ / 8), j = f % (BQ / 8), lane = t & 31;
+    const int d = mb * 64 + (t >> 5) * 16 + (lane >> 2), query = qt * BQ + j * 8 + 2 * (lane & 3);
+    T* p = dq + (head_offset(bh, n_h, dq_sb, dq_sh) + (long long)query * dq_st + d);
+    if (query < n_q) {
+        p[0] = from_float<T>(x.x * scale);
+        p[8] = from_float<T>(x.z * scale);
+    }
+    if (query + 1 < n_q) {
+        p[dq_st] = from_float<T>(x.y * scale);
+        p[dq_st + 8] = from_float<T>(x.w * scale);
+    }
 }
 
 // ---- Forward with flash-attention 3's structure (Shah et al. 2024): TMA, mbarriers, warp specialisation
