@@ -37,9 +37,9 @@
 # the forwards' ptxas report, a 2-minute smoke test, then benchmarks/attention.py with the three forwards against
 # SDPA and its tests, bf16, ~10 minutes at most: a call of its own),
 # attention-atomic (issue 14: the fused backwards without semaphores, KILN_ATTENTION_BWD=fused-atomic and fused-bulk:
-# a smoke test, benchmarks/attention.py --bwd split,fused-atomic,fused-bulk,fused, then their tests, ~9 minutes at
-# most: a call of its own), attention-atomic-gpt2 (kiln's bf16 GPT-2 step under each backward of BWDS, default
-# "split fused-atomic fused-bulk", ~2 minutes each),
+# a smoke test, then benchmarks/attention.py --bwd split,fused-atomic,fused-bulk,fused, ~2 min),
+# attention-atomic-gpt2 (kiln's bf16 GPT-2 step under each backward of BWDS, default "split fused-atomic fused-bulk",
+# ~30 s each), attention-atomic-tests (their CUDA tests, ~3 min),
 # attention-tiles (issue 14: the split dK/dV kernel under KILN_ATTENTION_DKDV_TILES, the default and two tilings:
 # the backward tests, benchmarks/attention.py --bwd split and kiln's bf16 GPT-2 step under each, ~4 min),
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
@@ -137,9 +137,9 @@ for p in "$@"; do
         attention-atomic) part attention-atomic-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
                               tests/test_op_attention.py -k "bwd_fused_equals_split and (shape0 or shape1) and (atomic or bulk)"
                           part attention-atomic-bench 240 python3 benchmarks/attention.py \
-                              --bwd split,fused-atomic,fused-bulk,fused
-                          part attention-atomic-tests 200 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
-                              tests/test_op_attention.py -k "atomic or bulk" ;;
+                              --bwd split,fused-atomic,fused-bulk,fused ;;
+        attention-atomic-tests) part attention-atomic-tests 200 python3 -m pytest -q -m "cuda and not slow" \
+                                    -p no:cacheprovider tests/test_op_attention.py -k "atomic or bulk" ;;
         attention-atomic-gpt2) for variant in ${BWDS:-split fused-atomic fused-bulk}; do
                                    KILN_ATTENTION_BWD=$variant part "gpt2_step-$variant" 120 python3 \
                                        benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 --frameworks kiln \
