@@ -1,6 +1,6 @@
 """kiln's attention kernels against PyTorch SDPA on the same GPU, in one process, at the paper's shapes.
 
-    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--fwd wgmma,tma] [--bwd split,fused-atomic] [--out FILE]
+    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--fwd wgmma,tma] [--bwd split,fused-bulk] [--out FILE]
 
 Causal attention, forward and forward+backward, per B x H x T x D (Appendix B.1-B.2: B x H x D
 from 1x12x64 to 16x12x64, 8x16x64, 4x32x128; T from 512 to 16384, 16384 tokens a batch on the
@@ -10,7 +10,7 @@ until 2026-12-05 each call was timed alone, which for kiln counted ~0.25 ms of P
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
 choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
 (KILN_ATTENTION_FWD: tma-pingpong, the default, and tma, flash-attention 3's structure, or wgmma) against the same
-SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, fused, fused-atomic or fused-bulk;
+SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, or fused-bulk;
 KILN_ATTENTION_DKDV_TILES, read at import, sets the dK/dV kernel's tiles and is recorded in each row);
 rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
 half: forward 4 B H T^2 D / 2, backward 2.5x that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16", help="comma-separated: " + ",".join(DTYPES))
     p.add_argument("--fwd", default="tma-pingpong",
                    help="comma-separated bf16/fp16 forward kernels: tma-pingpong,tma,wgmma")
-    p.add_argument("--bwd", default="split", help="comma-separated bf16/fp16 backwards: split,fused,fused-atomic,fused-bulk")
+    p.add_argument("--bwd", default="split", help="comma-separated bf16/fp16 backwards: split,fused-bulk")
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
     args = p.parse_args(argv)
     k, torch = kiln_and_torch()

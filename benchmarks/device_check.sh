@@ -25,10 +25,10 @@
 # overlap (a DDP step's bucket collectives against backward, traced), ceilings (GEMM and copy, measured afresh),
 # capture76 (issue 14: the 76-layer fp32 step captured as one graph, every allocation logged to
 # capture76-trace.json and replayed through the allocator on the CPU at the device's free bytes),
-# attention-bwd (issue 14: the fused backward, KILN_ATTENTION_BWD=fused: the backwards' ptxas report, a 2-minute smoke
-# test, benchmarks/attention.py --bwd split,fused against SDPA, then the fused backward's tests (the smoke test and the
-# benchmark first: a call cut off at its limit keeps them),
-# ~10 minutes at most: a call of its own), attention-bwd-gpt2 (the bf16 GPT-2 step, kiln alone, fused then split, ~4 min),
+# attention-bwd (issue 14: the fused backward, KILN_ATTENTION_BWD=fused-bulk: the backwards' ptxas report, a 2-minute
+# smoke test, benchmarks/attention.py --bwd split,fused-bulk against SDPA, then the fused backward's tests (the smoke
+# test and the benchmark first: a call cut off at its limit keeps them), ~5 minutes), attention-bwd-gpt2 (kiln's bf16
+# GPT-2 step alone under split and fused-bulk, at B16 T1024 and at the long context B2 T16384, ~3 min),
 # largest (the largest fp32 AdamW model: PyTorch at 76 layers vs kiln's AdamW in backward at 76 and 92, clip off,
 # on and host (the clip through host memory), ~300-450 s: a call of its own), largest-h100 (the same on an 80 GB H100, scaled: PyTorch at 42 and 44
 # layers, where 16 bytes a parameter stop it, kiln at 53 layers, 1.2x 44's parameters), largest-tests (the in-backward step against the ordinary one, bit for bit),
@@ -36,10 +36,6 @@
 # forward and backward against SDPA, all graph-timed, ~5 min), attention-tma (issue 14: the forward with flash-attention 3's structure, KILN_ATTENTION_FWD=tma and tma-pingpong:
 # the forwards' ptxas report, a 2-minute smoke test, then benchmarks/attention.py with the three forwards against
 # SDPA and its tests, bf16, ~10 minutes at most: a call of its own),
-# attention-atomic (issue 14: the fused backwards without semaphores, KILN_ATTENTION_BWD=fused-atomic and fused-bulk:
-# a smoke test, then benchmarks/attention.py --bwd split,fused-atomic,fused-bulk,fused, ~2 min),
-# attention-atomic-gpt2 (kiln's bf16 GPT-2 step under each backward of BWDS, default "split fused-atomic fused-bulk",
-# ~30 s each), attention-atomic-tests (their CUDA tests, ~3 min),
 # attention-tiles (issue 14: the split dK/dV kernel under KILN_ATTENTION_DKDV_TILES, the default and two tilings:
 # the backward tests, benchmarks/attention.py --bwd split and kiln's bf16 GPT-2 step under each, ~4 min),
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
@@ -130,25 +126,14 @@ for p in "$@"; do
                            print(*(l for l in r.log.splitlines() if 'C75' in l), sep='\n')"
                        # a hang (a turn never given) or a fault shows here, in 2 minutes, before the long parts run
                        part attention-bwd-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
-                           tests/test_op_attention.py -k "bwd_fused_is_bitwise or bwd_fused_equals_split" &&
-                       part attention-bwd-bench 200 python3 benchmarks/attention.py --bwd split,fused &&
+                           tests/test_op_attention.py -k "bwd_fused_equals_split and (shape0 or shape1)" &&
+                       part attention-bwd-bench 200 python3 benchmarks/attention.py --bwd split,fused-bulk &&
                        part attention-bwd-tests 200 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
                            tests/test_op_attention.py -k "fused" ;;
-        attention-atomic) part attention-atomic-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
-                              tests/test_op_attention.py -k "bwd_fused_equals_split and (shape0 or shape1) and (atomic or bulk)"
-                          part attention-atomic-bench 240 python3 benchmarks/attention.py \
-                              --bwd split,fused-atomic,fused-bulk,fused ;;
-        attention-atomic-tests) part attention-atomic-tests 200 python3 -m pytest -q -m "cuda and not slow" \
-                                    -p no:cacheprovider tests/test_op_attention.py -k "atomic or bulk" ;;
-        attention-atomic-gpt2) for variant in ${BWDS:-split fused-atomic fused-bulk}; do
-                                   KILN_ATTENTION_BWD=$variant part "gpt2_step-$variant" 120 python3 \
-                                       benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 --frameworks kiln \
-                                       --out "$LOGS/gpt2-$variant"
-                               done ;;
         attention) part attention-fused-tests 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
                        tests/test_op_attention.py -k "bwd_fused_masks or bwd_fused_replays"
                    part attention-bench 330 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong \
-                       --bwd split,fused ;;
+                       --bwd split,fused-bulk ;;
         attention-tiles) for spec in "" "64:32x3,128:16x1" "64:32x2"; do  # each in its own processes: read at import
                              tag=${spec:-default}; tag=${tag//[:,]/-}
                              export KILN_ATTENTION_DKDV_TILES=$spec
@@ -160,10 +145,13 @@ for p in "$@"; do
                                  --frameworks kiln --steps 40 --warmup 10 --out "$LOGS/gpt2-tiles-$tag"
                          done
                          unset KILN_ATTENTION_DKDV_TILES ;;
-        attention-bwd-gpt2) KILN_ATTENTION_BWD=fused part gpt2_step-bwd-fused 120 python3 benchmarks/gpt2_step.py \
-                                --modes bf16 --frameworks kiln --steps 40 --warmup 10
-                            part gpt2_step-bwd-split 120 python3 benchmarks/gpt2_step.py --modes bf16 --frameworks kiln \
-                                --steps 40 --warmup 10 ;;
+        attention-bwd-gpt2) for variant in split fused-bulk; do
+                                KILN_ATTENTION_BWD=$variant part "gpt2_step-$variant" 120 python3 benchmarks/gpt2_step.py \
+                                    --modes bf16 --frameworks kiln --steps 40 --warmup 10 --out "$LOGS/gpt2-$variant"
+                                KILN_ATTENTION_BWD=$variant part "gpt2_step-long-$variant" 150 python3 \
+                                    benchmarks/gpt2_step.py --modes bf16 --frameworks kiln --batch-size 2 --seq-len 16384 \
+                                    --steps 10 --warmup 3 --out "$LOGS/gpt2-long-$variant"
+                            done ;;
         gemm-tune) part gemm-tune-tests 240 python3 benchmarks/cuda_suite.py --shards 2 --logs "$LOGS/gemm-tune" \
                        --paths tests/test_gemm_autotune.py tests/test_cuda_gemm.py
                    part gpt2_step-gemm-tune 150 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 \

@@ -56,13 +56,10 @@ def test_causal_self_attention_on_packed_qkv_matches_pytorch_and_finite_differen
 # --- attention ----------------------------------------------------------------------------
 
 
-UNORDERED = ("fused-atomic", "fused-bulk")  # the fused backwards that add dQ in the hardware's order
-
-
-@pytest.fixture(params=["split", "fused", *UNORDERED])
+@pytest.fixture(params=["split", "fused-bulk"])
 def bwd(request, monkeypatch):
-    """The backward tests run with every bf16/fp16 backward (KILN_ATTENTION_BWD): the dK/dV and dQ
-    kernels, the fused kernel that adds dQ in a fixed order, and the fused kernels that add it in any."""
+    """The backward tests run with both bf16/fp16 backwards (KILN_ATTENTION_BWD): the dK/dV and dQ
+    kernels, and the fused kernel that adds dQ in the hardware's order."""
     monkeypatch.setenv("KILN_ATTENTION_BWD", request.param)
     return request.param
 
@@ -245,9 +242,8 @@ def test_context_parallel_blocks_on_the_gpu_equal_full_causal_attention(gpu, rng
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_attention_is_bitwise_repeatable(gpu, rng, bwd, dtype):
-    """Two runs of the forward and backward on the same inputs give the same bits (no atomics; the
-    fused backward's dQ adds in a fixed order). The unordered backwards' dQ adds in the hardware's order:
-    their dq is only close, everything else the same bits."""
+    """Two runs of the forward and backward on the same inputs give the same bits (no atomics). The
+    fused backward's dQ adds in the hardware's order: its dq is only close, everything else the same bits."""
     _fused_runs(bwd, dtype, 64)
     shape = (2, 4, 300, 64)
     q, k, v, g = (gpu.asarray(rand(shape, dtype, rng)) for _ in range(4))
@@ -256,31 +252,13 @@ def test_attention_is_bitwise_repeatable(gpu, rng, bwd, dtype):
         out, lse = gpu.attention_fwd(q, k, v, 0.125)
         runs.append([gpu.to_numpy(a) for a in (out, lse, *gpu.attention_bwd(g, q, k, v, out, lse, 0.125))])
     for i, (a, b_) in enumerate(zip(*runs)):
-        if bwd in UNORDERED and i == 2:
+        if bwd == "fused-bulk" and i == 2:
             close(gpu, a.astype(np.float64), b_.astype(np.float64), dtype)
         else:
             assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("shape", [(2, 4, 2048, 64), (1, 3, 2048, 128)])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_attention_bwd_fused_is_bitwise_repeatable_with_many_key_blocks_per_query_tile(gpu, rng, monkeypatch,
-                                                                                     shape, causal):
-    """T = 2048: up to 32 key blocks add into one query tile's dQ, each waiting for its turn; five
-    runs give the same bits (an order that varied would show in dq's low bits)."""
-    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")
-    q, k, v, g = (gpu.asarray(rand(shape, ml_dtypes.bfloat16, rng)) for _ in range(4))
-    scale = 1.0 / math.sqrt(shape[-1])
-    out, lse = gpu.attention_fwd(q, k, v, scale, causal=causal)
-    runs = [[gpu.to_numpy(a) for a in gpu.attention_bwd(g, q, k, v, out, lse, scale, causal=causal)] for _ in range(5)]
-    for other in runs[1:]:
-        for a, b_ in zip(runs[0], other):
-            assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
-
-
-# the paper's shapes (more jobs than an H200 holds at once: the ticket order, not the launch order,
-# keeps the waits finite) and context parallelism's blocks of other lengths and offsets
+# the paper's shapes and context parallelism's blocks of other lengths and offsets
 FUSED_SHAPES = [((16, 12, 1024, 1024, 64), True, 0), ((4, 16, 2048, 2048, 128), True, 0),
                 ((2, 3, 200, 65, 64), True, 3), ((2, 3, 65, 200, 128), True, 135), ((2, 3, 100, 37, 64), False, 0),
                 ((2, 3, 256, 512, 64), True, 0), ((2, 3, 96, 160, 128), True, 64)]
@@ -289,8 +267,7 @@ FUSED_SHAPES = [((16, 12, 1024, 1024, 64), True, 0), ((4, 16, 2048, 2048, 128), 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("fused", ["fused", *UNORDERED])
-def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype, fused):
+def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype):
     """The fused backward against the split kernels on the same inputs, within the dtype's tolerance
     and elementwise within a few ulps (a query tile that missed a key block's contribution is off by
     far more; one never written stays NaN: dq, dk, dv are written into NaN-filled destinations)."""
@@ -301,13 +278,13 @@ def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, 
     scale = 1.0 / math.sqrt(d)
     out, lse = gpu.attention_fwd(q, k, v, scale, causal=causal, offset=offset)
     grads = {}
-    for variant in ("split", fused):
+    for variant in ("split", "fused-bulk"):
         monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
         into = tuple(xp.full(a.shape, xp.nan, dtype=a.dtype) for a in (q, k, v))
         grads[variant] = [gpu.to_numpy(a).astype(np.float64) for a in
                           gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
     eps = float(ml_dtypes.finfo(dtype).eps)  # both round the same fp32 sums (up to order) to dtype: a few ulps apart
-    for got, ref in zip(grads[fused], grads["split"]):
+    for got, ref in zip(grads["fused-bulk"], grads["split"]):
         close(gpu, got, ref, dtype)
         bound = 4 * eps * (np.abs(ref) + 0.05 * np.abs(ref).max())
         assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"
@@ -318,16 +295,15 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
     from kiln.errors import ConfigError
     monkeypatch.delenv("KILN_ATTENTION_BWD", raising=False)
     assert bwd_variant() == "split"
-    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")
-    assert bwd_variant() == "fused"
-    monkeypatch.setenv("KILN_ATTENTION_BWD", "fa3")
-    with pytest.raises(ConfigError, match="one of split, fused, fused-atomic, fused-bulk, got 'fa3'"):
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
+    assert bwd_variant() == "fused-bulk"
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")  # the ordered fused backward, removed on 2026-12-06
+    with pytest.raises(ConfigError, match="one of split, fused-bulk, got 'fused'"):
         bwd_variant()
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", ["fused", *UNORDERED])
-def test_attention_bwd_fused_masks_keys_past_the_last_in_ds(gpu, rng, monkeypatch, fused):
+def test_attention_bwd_fused_masks_keys_past_the_last_in_ds(gpu, rng, monkeypatch):
     """Full attention over 37 keys with q and k anti-aligned, so every lse is about -15: a key past n_k
     (zero-filled, S = 0) would give dS = -exp(-lse)·delta, beyond fp16's range, and inf·0 = NaN in every
     dQ of its query row, unless the fused kernel masks it as the split dQ kernel does."""
@@ -341,25 +317,23 @@ def test_attention_bwd_fused_masks_keys_past_the_last_in_ds(gpu, rng, monkeypatc
     out, lse = gpu.attention_fwd(q, k, v, scale)
     assert gpu.to_numpy(lse).max() < -10  # exp(-lse)·|delta| past fp16's 65504 for a typical delta
     grads = {}
-    for variant in ("split", fused):
+    for variant in ("split", "fused-bulk"):
         monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
         grads[variant] = [gpu.to_numpy(a) for a in gpu.attention_bwd(g, q, k, v, out, lse, scale)]
-    for got, ref in zip(grads[fused], grads["split"]):
+    for got, ref in zip(grads["fused-bulk"], grads["split"]):
         assert np.isfinite(got).all()
         close(gpu, got.astype(np.float64), ref.astype(np.float64), np.float16)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", ["fused", *UNORDERED])
-def test_attention_bwd_fused_replays_in_a_captured_graph(monkeypatch, fused):
-    """The fused backward's semaphores and ticket (the unordered ones: their dQ accumulator) are zeroed on kiln's
-    stream, so a captured step zeroes them on every replay: three replays on new inputs equal the step run
-    op by op, bit for bit (stale tickets would hang the kernel or mis-order dQ); the unordered ones' dq, summed
-    in the hardware's order, within bf16's tolerance (a stale accumulator would carry the last replay's)."""
+def test_attention_bwd_fused_replays_in_a_captured_graph(monkeypatch):
+    """The fused backward's dQ accumulator is zeroed on kiln's stream, so a captured step zeroes it on every
+    replay: three replays on new inputs equal the step run op by op, bit for bit but dq, which is summed in
+    the hardware's order: within bf16's tolerance (a stale accumulator would carry the last replay's)."""
     if not kiln.cuda_is_available():
         pytest.skip("needs an NVIDIA GPU with CuPy")
     from kiln.graph import CapturedStep
-    monkeypatch.setenv("KILN_ATTENTION_BWD", fused)
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
     rng = np.random.default_rng()
 
     q, k, v = (kiln.tensor(rand((2, 4, 512, 64), ml_dtypes.bfloat16, rng), device="cuda", requires_grad=True)
@@ -378,7 +352,7 @@ def test_attention_bwd_fused_replays_in_a_captured_graph(monkeypatch, fused):
         got = [t.numpy() for t in graph(g)]
         want = [t.numpy() for t in step(g)]
         for i, (a, b_) in enumerate(zip(got, want)):
-            if fused in UNORDERED and i == 1:
+            if i == 1:
                 np.testing.assert_allclose(a.astype(np.float32), b_.astype(np.float32), rtol=2e-2, atol=2e-2)
             else:
                 assert np.array_equal(a.view(np.uint8), b_.view(np.uint8))
@@ -387,15 +361,11 @@ def test_attention_bwd_fused_replays_in_a_captured_graph(monkeypatch, fused):
 
 
 def test_attention_bwd_fused_sizes():
-    """The fused kernel's dynamic shared memory (Q and dO twice, K, dS and the alignment) fits a block,
-    its semaphores are one per (b·h, query tile) plus the ticket counter, and the delta kernel's rows per
-    block follow from 16-byte loads."""
-    from kiln.backend.cuda.attention import delta_rows_per_block, fused_semaphores, fused_shared_bytes
-    assert fused_shared_bytes(64) == 4 * 8192 + 8192 + 8192 + 1024 == 50176
-    assert fused_shared_bytes(128) == 4 * 4096 + 16384 + 2048 + 1024 == 35840
-    assert fused_shared_bytes(64, "fused-bulk") == 50176 + 64 * 64 * 4  # and dQ's fp32 tile to reduce from
-    assert fused_shared_bytes(128, "fused-bulk") == 35840 + 16 * 128 * 4
-    assert fused_semaphores(192, 1024, 64) == 192 * 16 + 1 and fused_semaphores(4, 100, 128) == 4 * 7 + 1
+    """The fused kernel's dynamic shared memory (Q and dO twice, K, dS, dQ's fp32 tile to reduce from and the
+    alignment) fits a block, and the delta kernel's rows per block follow from 16-byte loads."""
+    from kiln.backend.cuda.attention import delta_rows_per_block, fused_shared_bytes
+    assert fused_shared_bytes(64) == 4 * 8192 + 8192 + 8192 + 64 * 64 * 4 + 1024 == 66560
+    assert fused_shared_bytes(128) == 4 * 4096 + 16384 + 2048 + 16 * 128 * 4 + 1024 == 44032
     assert [delta_rows_per_block(d, 2) for d in (32, 64, 128)] == [64, 32, 16]
     assert [delta_rows_per_block(d, 4) for d in (32, 64, 128)] == [32, 16, 8]
 

@@ -23,13 +23,14 @@ also reads whatever TMA cannot address, a broadcast k or v of stride 0). Graph-t
 (2026-12-05) the ping-pong forward is 0.99-1.45x the one-warpgroup one at the paper's shapes.
 
 The bfloat16/float16 backward is, by default, three kernels (delta = rowsum(dO·O); dK and dV by key
-blocks; dQ by query blocks, S and dP computed in both). KILN_ATTENTION_BWD=fused (head dims 64 and
-128) runs delta and one kernel for dK, dV and dQ (`attention_bwd_fused_tc`: the key-block walk adds
-each tile's dQ into an fp32 accumulator, the key blocks of a query tile in a fixed order behind a
-semaphore, so the result is bitwise repeatable). KILN_ATTENTION_BWD=fused-atomic runs the same kernel
-without the semaphores: every key block adds its dQ as soon as it has it (RED, in whatever order the
-blocks run: the last bits of dQ vary from run to run, as with flash-attention 2's backward), and a
-last kernel writes dq from the accumulator. KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import)
+blocks; dQ by query blocks, S and dP computed in both): bitwise repeatable. KILN_ATTENTION_BWD=fused-bulk
+(head dims 64 and 128) runs delta and one kernel for dK, dV and dQ (`attention_bwd_fused_tc`: the
+key-block walk adds each tile's dQ into an fp32 accumulator with one bulk reduction from shared
+memory, in whatever order the blocks run, so the last bits of dq vary from run to run, as with
+flash-attention 2 and 3's backwards), then `attention_bwd_dq_store` writes dq. Graph-timed on an H100
+(2026-12-06) it took 0.85-0.94x split's time at D = 64 and T >= 2048 (and 0.88x at 1x12x1024x64),
+1.02-1.41x at the other T <= 1024 shapes, 1.28-1.29x at D = 128; adding dQ in a fixed order behind
+semaphores instead, or per element with RED, was slower still at every shape: both were removed. KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import)
 sets the split dK/dV kernel's query rows a tile and the resident blocks it asks ptxas for, per head dim
 (the fused kernel keeps its own: its dQᵀ products need 64 rows at D = 64).
 """
@@ -50,8 +51,7 @@ TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 war
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
-BWD_VARIANTS = ("split", "fused", "fused-atomic", "fused-bulk")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
-FUSED_ADD = {"fused": 0, "fused-atomic": 1, "fused-bulk": 2}  # attention_bwd_fused_tc's Add: kDqOrdered, kDqRed, kDqBulk
+BWD_VARIANTS = ("split", "fused-bulk")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
 FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
 # The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
@@ -104,10 +104,8 @@ def _instantiations():
         out += [f"attention_bwd_delta<{t}, {d}>" for t in FLOAT_CTYPES]
     out += [f"attention_fwd_tma<{t}, {d}, {pp}>" for t in FLOAT_CTYPES[1:] for d in TMA_HEAD_DIMS
             for pp in ("false", "true")]
-    out += [f"attention_bwd_fused_tc<{t}, {d}, {add}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS
-            for add in FUSED_ADD.values()]
-    out += [f"attention_bwd_dq_store<{t}, {d}, {add}>" for t in FLOAT_CTYPES[1:] for d in FUSED_HEAD_DIMS
-            for add in list(FUSED_ADD.values())[1:]]
+    out += [f"attention_bwd_{k}<{t}, {d}>" for k in ("fused_tc", "dq_store") for t in FLOAT_CTYPES[1:]
+            for d in FUSED_HEAD_DIMS]
     return out
 
 
@@ -145,16 +143,11 @@ def delta_rows_per_block(d: int, itemsize: int) -> int:
     return 256 // (d // (16 // itemsize))
 
 
-def fused_shared_bytes(d: int, variant: str = "fused") -> int:
+def fused_shared_bytes(d: int) -> int:
     """attention_bwd_fused_tc's dynamic shared memory: Q and dO tiles (two buffers each), K's tile, dS's
-    tile [BQ, 64], fused-bulk's fp32 dQ tile [BQ, D], and 1024 bytes to align the base for the swizzle."""
+    tile [BQ, 64], the fp32 dQ tile [BQ, D] it reduces from, and 1024 bytes to align the base for the swizzle."""
     bq = FUSED_Q[d]
-    return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + (bq * d * 4 if variant == "fused-bulk" else 0) + 1024
-
-
-def fused_semaphores(bh: int, n_q: int, d: int) -> int:
-    """Ints the fused backward's launch zeroes: a semaphore per (b·h, query tile) and the ticket counter."""
-    return bh * cdiv(n_q, FUSED_Q[d]) + 1
+    return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + bq * d * 4 + 1024
 
 
 def tma_shared_bytes(d: int) -> int:
@@ -324,23 +317,17 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
     common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, os_))
     variant = bwd_variant() if tc and d in FUSED_HEAD_DIMS else "split"
-    if variant != "split":
-        # dQ in fp32 [B·H, n_q, D]. fused: key block 0 stores, later ones add in order, the last writes dq;
-        # the semaphores and the ticket counter zeroed on kiln's stream (kernel comment:
-        # attention_bwd_fused_tc). fused-atomic: the accumulator zeroed, every key block adds (RED, in
-        # whatever order the blocks run), then attention_bwd_dq_store writes dq.
-        add = FUSED_ADD[variant]
-        rt.stream()  # the memsets below are CuPy's: on kiln's stream, so a captured step zeroes every replay
-        rows = cdiv(n_q, FUSED_Q[d]) * FUSED_Q[d] if variant == "fused-bulk" else n_q
-        acc = (cp.empty if add == 0 else cp.zeros)((b * h, rows, d), dtype=cp.float32)
-        # the unordered kernels read no semaphore: a null pointer
-        sem = cp.zeros(fused_semaphores(b * h, n_q, d), dtype=cp.int32) if add == 0 else i64(0)
-        get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}, {add}>")(
+    if variant == "fused-bulk":
+        # dQ in fp32 [B·H, n_qt, BQ·D], zeroed; every key block adds its tiles (in whatever order the blocks
+        # run), then attention_bwd_dq_store writes dq
+        rt.stream()  # the memset below is CuPy's: on kiln's stream, so a captured step zeroes every replay
+        acc = cp.zeros((b * h, cdiv(n_q, FUSED_Q[d]) * FUSED_Q[d], d), dtype=cp.float32)
+        get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}>")(
             (cdiv(n_k, TC_ROWS) * b * h,), (TC_THREADS,),
-            (q, k, v, grad, lse, delta, dq, dk, dv, acc, sem, i32(b * h), *common, *_args(dqs, dkvs)),
-            shared_mem=fused_shared_bytes(d, variant))
-        if add and acc.size:
-            get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}, {add}>")(
+            (q, k, v, grad, lse, delta, dq, dk, dv, acc, i32(b * h), *common, *_args(dqs, dkvs)),
+            shared_mem=fused_shared_bytes(d))
+        if acc.size:
+            get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}>")(
                 (cdiv(acc.size // 4, 256),), (256,), (acc, dq, i64(acc.size), i32(n_q), i32(h), f32(scale),
                                                      *_args(dqs)))
         return _fill(into, (dq, dk, dv))

@@ -18,8 +18,8 @@
 // that see it; `attention_bwd_dq` owns a block of queries and walks the key tiles it sees.
 // Each output element is written by one thread with a fixed summation order: no atomics,
 // deterministic. (`attention_bwd_fused_tc`, near the end, does both walks' work in the first one
-// and adds dQ's contributions in a fixed order behind semaphores: also deterministic; without the
-// semaphores, Add = kDqRed or kDqBulk, it adds them in whatever order the blocks run: not.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
+// and adds dQ's contributions in whatever order the blocks run: not deterministic, so never the
+// default.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
 // bfloat16 and float16 take the tensor-core kernels (`*_tc`, Hopper wgmma) at the end of this
 // file, which keep the same structure.
 #include "common.cuh"
@@ -1211,37 +1211,22 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
     frag_store<T, D>(dq + head_offset(blockIdx.y, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
 }
 
-// ---- The fused backward: dK, dV and dQ in one kernel, dQ added in a fixed order ----------------
+// ---- The fused backward: dK, dV and dQ in one kernel, dQ added in any order --------------------
 //
 // attention_bwd_fused_tc is attention_bwd_dkdv_tc (a block owns 64 keys, walks the query tiles that
 // see them: S and dP computed once) that also forms each tile's dQ contribution, dQᵀ = Kᵀ·dSᵀ
 // (D x BQ: dSᵀ is in registers by key rows, so it goes to shared memory and both operands of this
 // product are read from there: Kᵀ MN-major, wgmma's transpose bit for A; dS K-major), and adds it
-// into an fp32 accumulator [B·H, n_q, D] in global memory. 5 products per tile instead of the
-// split kernels' 4 + 3.
-// Determinism: the contributions to query tile i come from key blocks 0..last(i) (a row's visible
-// keys are a prefix, so a tile seen by key block kb is seen by every earlier one, and key block 0
-// sees every row); they are added in that order. A semaphore per (b·h, query tile) counts the
-// contributions made: key block kb waits until it reads kb, adds its tile, makes its writes
-// visible (__threadfence), and sets it to kb + 1 (flash-attention 3's deterministic backward
-// uses such a lock per query tile). Key block 0 stores instead of adding (no zeroing of the
-// accumulator), the middle ones add with RED (fire and forget; in turn, so in a fixed order), and
-// key block last(i) reads the sum, adds its own and writes dQ in T into the caller's layout (no
-// conversion kernel): every dQ element has one writer, each accumulator element a fixed order of
-// additions.
-// Deadlock: a block waits only on lower key blocks of its head. Blocks take their job from a
-// ticket (an atomicAdd on a counter after the semaphores), not from blockIdx: ticket t is key
-// block t / (B·H) of head t % (B·H), so every job a job waits on has a lower ticket, which a
-// running block has already taken (it is resident); by induction on the ticket every wait ends,
-// whatever order the hardware starts blocks in. Key block 0 of every head comes first, the
-// blocks with the most query tiles (as dkdv's launch order). The launcher zeroes the semaphores
-// and the counter (n_bh * cdiv(n_q, BQ) + 1 ints) on kiln's stream before each launch.
+// into an fp32 accumulator in global memory. 5 products per tile instead of the split kernels' 4 + 3.
+// Each key block adds its tile of dQ as soon as its products are done: staged in shared memory,
+// fragment-major, and added by one cp.reduce.async.bulk (flash-attention 3's dQ accumulation), in
+// whatever order the blocks run, into an accumulator [B·H, n_qt, BQ·D] the launcher zeroes;
+// attention_bwd_dq_store then writes dq. No block waits for another; the sums' order is the
+// hardware's, so dq's last bits vary from run to run (dK and dV do not: a block owns them).
+// (Measured on an H100, 2026-12-06, the paper's shapes: adding in a fixed order behind a semaphore
+// per query tile took 1.2-3.8x this kernel's time, RED per element instead of the bulk reduction
+// 1.03-1.20x. Against the split kernels this one wins only at D = 64 and T >= 2048.)
 // Head dims that are multiples of 64 (the M of dQᵀ's wgmma is D, 64 rows per product).
-// Add = kDqRed or kDqBulk drops the semaphores and the ticket (a block's job is its blockIdx, the same
-// order): the launcher zeroes the accumulator, every key block adds its tile as soon as its products are
-// done (kDqRed: RED per element, flash-attention 2's dQ accumulation; kDqBulk: the tile staged in shared
-// memory and added by one cp.reduce.async.bulk, flash-attention 3's), and attention_bwd_dq_store writes dq
-// afterwards. No block waits for another; the sums' order is the hardware's.
 
 // wgmma.mma_async m64nNk16, A and B both by descriptor; TA = 1 takes A M-major (the tile is Aᵀ).
 template <typename T, int N> struct WgmmaSS;
@@ -1307,32 +1292,15 @@ __device__ __forceinline__ void wg_issue_ss(float (&acc)[N / 8][4], u32 a, u32 b
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_release(int* p, int v) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-// *p += x at L2, no value returned (fire and forget: the thread does not wait for it until a fence).
-__device__ __forceinline__ void red_add(float* p, float x) {
-    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
-}
-
-// How the fused backward adds dQ (its template parameter Add): behind the semaphores in a fixed order, with
-// RED in any order, or a bulk reduction of the whole tile from shared memory (cp.reduce.async.bulk) in any order.
-constexpr int kDqOrdered = 0, kDqRed = 1, kDqBulk = 2;
-
 __device__ __forceinline__ void sts128(u32 addr, float a, float b, float c, float d) {
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
-template <typename T, int D, int Add>
+template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, T* __restrict__ dk,
-    T* __restrict__ dv, float* __restrict__ dq_acc, int* __restrict__ sem, int n_bh, int n_q, int n_k, int off,
+    T* __restrict__ dv, float* __restrict__ dq_acc, int n_bh, int n_q, int n_k, int off,
     int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq), KILN_LAYOUT(dkv)) {
     static_assert(D % 64 == 0, "dQᵀ's products are 64 rows of D each");
     constexpr int BQ = TcShape<D>::fused_q;
@@ -1342,19 +1310,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     extern __shared__ unsigned char dsmem[];  // the launcher's fused_shared_bytes
     __shared__ __align__(16) float Ls[2][BQ];
     __shared__ __align__(16) float Ds[2][BQ];
-    __shared__ int job;
     const u32 qs = align1024(dsmem), gs = qs + 2 * Tile::BYTES, ks = gs + 2 * Tile::BYTES, ss = ks + KTile::BYTES;
-    const u32 stage = ss + STile::BYTES;  // kDqBulk: the tile's dQ, fragment-major, for the bulk reduction
+    const u32 stage = ss + STile::BYTES;  // the tile's dQ, fragment-major, for the bulk reduction
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int n_qt = (n_q + BQ - 1) / BQ, n_kb = (n_k + kTcRows - 1) / kTcRows;
-    if (Add == kDqOrdered) {
-        if (threadIdx.x == 0) job = atomicAdd(sem + (long long)n_bh * n_qt, 1);  // the ticket
-        __syncthreads();
-    }
-    const int ticket = Add == kDqOrdered ? job : (int)blockIdx.x;
-    const int kb = ticket / n_bh, bh = ticket % n_bh;
-    sem += (long long)bh * n_qt;
-    dq_acc += (long long)bh * (Add == kDqBulk ? n_qt * BQ : n_q) * D;
+    const int n_qt = (n_q + BQ - 1) / BQ;
+    // Key block 0 of every head first, the blocks with the most query tiles (as dkdv's launch order).
+    const int kb = (int)blockIdx.x / n_bh, bh = (int)blockIdx.x % n_bh;
+    dq_acc += (long long)bh * (n_qt * BQ) * D;
     dq += head_offset(bh, n_h, dq_sb, dq_sh);
     q += head_offset(bh, n_h, q_sb, q_sh);
     const long long kvbase = head_offset(bh, n_h, kv_sb, kv_sh);
@@ -1370,9 +1332,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     const int n0 = kb * kTcRows;
     const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
     const float sl2 = scale * kLog2e;
-    // The query tiles from the one of the first query that sees key n0, none if no query does: then
-    // key block kb walks tile i iff kb <= last(i) below (dkdv's test, q_begin < n_q, also walks a
-    // last tile that no row of sees, which here would wait for a turn that never comes).
+    // The query tiles from the one of the first query that sees key n0, none if no query does.
     const int q_first = max(n0 - off, 0), q_begin = (q_first / BQ) * BQ;
     const int n_tiles = q_first < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
     if (n_tiles > 0) {
@@ -1393,7 +1353,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     for (int it = 0; it < n_tiles; ++it) {
         const int q0 = q_begin + it * BQ, buf = it & 1;
         const u32 qb = qs + buf * Tile::BYTES, gb = gs + buf * Tile::BYTES;
-        if (Add == kDqBulk && threadIdx.x == 0)  // the last tile's reduction has read the stage
+        if (threadIdx.x == 0)  // the last tile's reduction has read the stage
             asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         tiles_landed();  // tile it has landed for everyone, and everyone is done with tile it - 1
         if (it + 1 < n_tiles) {
@@ -1448,71 +1408,35 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb)  // rows 64 mb.. of dQᵀ: K's column block mb
             wg_issue_ss<T, BQ, kTcRows, KTile, STile, 1, 0>(dqt[mb], ks + mb * kTcRows * KTile::SW, ss, 0);
-        // Our turn at query tile q0 / BQ, waited for while the products run.
-        const int tile = q0 / BQ, last = min(n_kb - 1, (min(q0 + BQ, n_q) - 1 + off) / kTcRows);
-        if (Add == kDqOrdered && threadIdx.x == 0 && kb > 0)
-            while (ld_acquire(sem + tile) != kb) {
-            }
-        __syncwarp();  // warp 0 whole again before the warpgroup-wide (.aligned) wait
         wg_wait<0>();
         fence_regs(dv_acc);
         fence_regs(dk_acc);
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb) fence_regs(dqt[mb]);
-        if (Add == kDqOrdered) __syncthreads();  // the turn is this block's: key blocks 0..kb-1 have added theirs
-        if (Add == kDqBulk) {  // float4 f of thread t at (f · 128 + t) · 16 bytes: attention_bwd_dq_store's order
-#pragma unroll
-            for (int mb = 0; mb < D / 64; ++mb)
-#pragma unroll
-                for (int j = 0; j < BQ / 8; ++j)
-                    sts128(stage + ((mb * (BQ / 8) + j) * kAttnThreads + threadIdx.x) * 16, dqt[mb][j][0],
-                           dqt[mb][j][1], dqt[mb][j][2], dqt[mb][j][3]);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                             ::"l"(dq_acc + (long long)tile * BQ * D), "r"(stage), "n"(BQ * D * 4) : "memory");
-                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-            }
-            continue;
-        }
-        // dqt[mb][j][e]: d = 64 mb + 16 warp + g (+ 8 for e >= 2), query q0 + 8 j + 2 c (+ 1 for odd e).
+        // The tile's dQ to shared memory, float4 f of thread t at (f · 128 + t) · 16 bytes
+        // (attention_bwd_dq_store's order), then one bulk reduction into the accumulator.
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb)
 #pragma unroll
             for (int j = 0; j < BQ / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int d = mb * 64 + warp * 16 + g + (e & 2) * 4, query = q0 + j * 8 + 2 * c + (e & 1);
-                    if (query < n_q) {  // the first stores, the middle ones add (RED), the last reads and writes dq
-                        float* a = dq_acc + ((long long)query * D + d);
-                        const float x = dqt[mb][j][e];
-                        if (Add == kDqRed)
-                            red_add(a, x);  // any order: attention_bwd_dq_store writes dq once all have added
-                        else if (kb == last)
-                            dq[(long long)query * dq_st + d] = from_float<T>((kb > 0 ? __ldcg(a) + x : x) * scale);
-                        else if (kb == 0)
-                            __stcg(a, x);
-                        else
-                            red_add(a, x);  // in turn: the order of the additions is fixed
-                    }
-                }
-        if (Add == kDqOrdered && kb < last) {
-            __threadfence();  // this thread's part of the sum visible on the GPU before the turn passes
-            __syncthreads();
-            if (threadIdx.x == 0) st_release(sem + tile, kb + 1);
-            __syncwarp();
+                sts128(stage + ((mb * (BQ / 8) + j) * kAttnThreads + threadIdx.x) * 16, dqt[mb][j][0],
+                       dqt[mb][j][1], dqt[mb][j][2], dqt[mb][j][3]);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                         ::"l"(dq_acc + (long long)(q0 / BQ) * BQ * D), "r"(stage), "n"(BQ * D * 4) : "memory");
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
     }
-    if (Add == kDqBulk && threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
     frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
 }
 
-// The unordered fused backward's last step: dq = scale * acc, acc fp32 (contiguous), dq in the caller's
-// layout; a thread converts a float4 of acc. kDqRed's acc is [B·H, n_q, D]; kDqBulk's [B·H, n_qt, BQ·D], each
-// tile fragment-major: float4 f of thread t (its dqt[mb][j], f = mb · BQ/8 + j) at f · 128 + t.
-template <typename T, int D, int Add>
+// The fused backward's last step: dq = scale * acc, acc fp32 [B·H, n_qt, BQ·D], each tile fragment-major:
+// float4 f of thread t (its dqt[mb][j], f = mb · BQ/8 + j) at f · 128 + t; dq in the caller's layout.
+template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __restrict__ acc, T* __restrict__ dq,
                                                               long long n, int n_q, int n_h, float scale,
                                                               KILN_LAYOUT(dq)) {
@@ -1520,14 +1444,6 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __res
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i >= n) return;
     const float4 x = *reinterpret_cast<const float4*>(acc + i);
-    if (Add == kDqRed) {  // D % 4 == 0: the float4 lies in one row
-        const long long row = i / D;
-        const int bh = (int)(row / n_q), query = (int)(row % n_q), d = (int)(i % D);
-        T* p = dq + (head_offset(bh, n_h, dq_sb, dq_sh) + query * dq_st + d);
-        *reinterpret_cast<u32*>(p) = pack2<T>(x.x * scale, x.y * scale);
-        *reinterpret_cast<u32*>(p + 2) = pack2<T>(x.z * scale, x.w * scale);
-        return;
-    }
     const long long tile = i / (BQ * D);
     const int n_qt = (n_q + BQ - 1) / BQ, bh = (int)(tile / n_qt), qt = (int)(tile % n_qt);
     const int r = (int)(i % (BQ * D)) / 4, f = r / kAttnThreads, t = r % kAttnThreads;
