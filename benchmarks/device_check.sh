@@ -40,7 +40,10 @@
 # the backward tests, benchmarks/attention.py --bwd split and kiln's bf16 GPT-2 step under each, ~4 min),
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
 # the heuristic's GEMM algorithms (kiln) beside the tuned ones (kiln-tuned, which tunes in its step 0 on this
-# fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s).
+# fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s),
+# attention-ncu (issue 14: Nsight Compute's full set on one call of each attention kernel, kiln's forward, split and
+# fused-bulk backwards and SDPA's, at the GPT-2 shape: benchmarks/attention_ncu.py; the report, its details page and
+# its per-SASS-instruction page, ~3 min).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -152,6 +155,11 @@ for p in "$@"; do
                                     benchmarks/gpt2_step.py --modes bf16 --frameworks kiln --batch-size 2 --seq-len 16384 \
                                     --steps 10 --warmup 3 --out "$LOGS/gpt2-long-$variant"
                             done ;;
+        attention-ncu) part attention-ncu 300 ncu --clock-control none --profile-from-start off --set full \
+                           --import-source no -o "$LOGS/attention-ncu" python3 benchmarks/attention_ncu.py &&
+                       part attention-ncu-details 120 ncu --import "$LOGS/attention-ncu.ncu-rep" --page details &&
+                       part attention-ncu-sass 120 ncu --import "$LOGS/attention-ncu.ncu-rep" --page source --csv \
+                           --print-source sass ;;
         gemm-tune) part gemm-tune-tests 240 python3 benchmarks/cuda_suite.py --shards 2 --logs "$LOGS/gemm-tune" \
                        --paths tests/test_gemm_autotune.py tests/test_cuda_gemm.py
                    part gpt2_step-gemm-tune 150 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 \

@@ -146,9 +146,9 @@ def delta_rows_per_block(d: int, itemsize: int) -> int:
 
 def fused_shared_bytes(d: int) -> int:
     """attention_bwd_fused_tc's dynamic shared memory: Q and dO tiles (two buffers each), K's tile, dS's
-    tile [BQ, 64], the fp32 dQ tile [BQ, D] it reduces from, and 1024 bytes to align the base for the swizzle."""
+    tile [BQ, 64], two fp32 dQ tiles [BQ, D] it reduces from, and 1024 bytes to align the base for the swizzle."""
     bq = FUSED_Q[d]
-    return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + bq * d * 4 + 1024
+    return 4 * bq * d * 2 + TC_ROWS * d * 2 + bq * TC_ROWS * 2 + 2 * bq * d * 4 + 1024
 
 
 def tma_shared_bytes(d: int) -> int:
@@ -325,7 +325,7 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         acc = cp.zeros((b * h, cdiv(n_q, FUSED_Q[d]) * FUSED_Q[d], d), dtype=cp.float32)
         get_kernel("attention.cu", f"attention_bwd_fused_tc<{t}, {d}>")(
             (cdiv(n_k, TC_ROWS) * b * h,), (TC_THREADS,),
-            (q, k, v, grad, lse, delta, dq, dk, dv, acc, i32(b * h), *common, *_args(dqs, dkvs)),
+            (q, k, v, grad, lse, delta, dk, dv, acc, i32(b * h), *common, *_args(dkvs)),
             shared_mem=fused_shared_bytes(d))
         if acc.size:
             get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}>")(

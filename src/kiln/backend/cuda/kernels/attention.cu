@@ -830,15 +830,17 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&c)[N][4]) {
 // acc[N/8][4] += A[64, K] · B for the block's warpgroup, issued (not waited for): A given as
 // fragments a[K/16][4], B the SwTile at shared address b, read K-major (TB = 0: the tile is Bᵀ,
 // [N][K]) or MN-major (TB = 1: the tile is B, [K][N]). acc and a belong to the tensor cores until
-// wg_wait: several products can be in flight while the warps compute something else.
-template <typename T, int N, int K, int R, int D, int TB>
+// wg_wait: several products can be in flight while the warps compute something else. Overwrite = true
+// makes it acc = A · B (the first k-step ignores acc's values: no zeroing needed).
+template <typename T, int N, int K, int R, int D, int TB, bool Overwrite = false>
 __device__ __forceinline__ void wg_issue(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4], u32 b) {
     static_assert(TB ? (R == K && D == N) : (R == N && D == K), "the tile's shape is B's");
     fence_regs(acc);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk)
-        Wgmma<T, N>::template run<TB>(acc, a[kk], TB ? SwTile<R, D>::mn_major(b, kk) : SwTile<R, D>::k_major(b, kk), 1);
+        Wgmma<T, N>::template run<TB>(acc, a[kk], TB ? SwTile<R, D>::mn_major(b, kk) : SwTile<R, D>::k_major(b, kk),
+                                      !Overwrite || kk > 0);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
@@ -1296,12 +1298,33 @@ __device__ __forceinline__ void sts128(u32 addr, float a, float b, float c, floa
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
+// A tile's dQ (dqt[D / 64][BQ / 8][4], this thread's C fragments) into the stage at shared address
+// dst, fragment-major: float4 f of thread t at (f · 128 + t) · 16 bytes; fenced for the bulk copy.
+template <int BQ, int D>
+__device__ __forceinline__ void stage_dq(u32 dst, const float (&dqt)[D / 64][BQ / 8][4]) {
+#pragma unroll
+    for (int mb = 0; mb < D / 64; ++mb)
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j)
+            sts128(dst + ((mb * (BQ / 8) + j) * kAttnThreads + threadIdx.x) * 16, dqt[mb][j][0], dqt[mb][j][1],
+                   dqt[mb][j][2], dqt[mb][j][3]);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Adds the staged dQ of the query tile at q0 into the accumulator (one thread), committed as a bulk group.
+template <int BQ, int D>
+__device__ __forceinline__ void reduce_dq(float* dq_acc, int q0, u32 src) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dq_acc + (long long)(q0 / BQ) * BQ * D), "r"(src), "n"(BQ * D * 4) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
-    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, T* __restrict__ dk,
-    T* __restrict__ dv, float* __restrict__ dq_acc, int n_bh, int n_q, int n_k, int off,
-    int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq), KILN_LAYOUT(dkv)) {
+    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+    float* __restrict__ dq_acc, int n_bh, int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q),
+    KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dkv)) {
     static_assert(D % 64 == 0, "dQᵀ's products are 64 rows of D each");
     constexpr int BQ = TcShape<D>::fused_q;
     using Tile = SwTile<BQ, D>;         // Q and dO, two buffers each
@@ -1311,13 +1334,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     __shared__ __align__(16) float Ls[2][BQ];
     __shared__ __align__(16) float Ds[2][BQ];
     const u32 qs = align1024(dsmem), gs = qs + 2 * Tile::BYTES, ks = gs + 2 * Tile::BYTES, ss = ks + KTile::BYTES;
-    const u32 stage = ss + STile::BYTES;  // the tile's dQ, fragment-major, for the bulk reduction
+    constexpr u32 STAGE_BYTES = BQ * D * 4;
+    const u32 stage = ss + STile::BYTES;  // two tiles' dQ, fragment-major, for the bulk reductions
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int n_qt = (n_q + BQ - 1) / BQ;
     // Key block 0 of every head first, the blocks with the most query tiles (as dkdv's launch order).
     const int kb = (int)blockIdx.x / n_bh, bh = (int)blockIdx.x % n_bh;
     dq_acc += (long long)bh * (n_qt * BQ) * D;
-    dq += head_offset(bh, n_h, dq_sb, dq_sh);
     q += head_offset(bh, n_h, q_sb, q_sh);
     const long long kvbase = head_offset(bh, n_h, kv_sb, kv_sh);
     k += kvbase;
@@ -1353,9 +1376,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
     for (int it = 0; it < n_tiles; ++it) {
         const int q0 = q_begin + it * BQ, buf = it & 1;
         const u32 qb = qs + buf * Tile::BYTES, gb = gs + buf * Tile::BYTES;
-        if (threadIdx.x == 0)  // the last tile's reduction has read the stage
-            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-        tiles_landed();  // tile it has landed for everyone, and everyone is done with tile it - 1
+        tiles_landed();  // tile it has landed, tile it - 1's products are done and its dQ staged, for everyone
+        if (threadIdx.x == 0 && it > 0) reduce_dq<BQ, D>(dq_acc, q0 - BQ, stage + ((it - 1) & 1) * STAGE_BYTES);
         if (it + 1 < n_tiles) {
             tile_async<BQ, D>(qs + (buf ^ 1) * Tile::BYTES, q, ld_q, q0 + BQ, n_q);
             tile_async<BQ, D>(gs + (buf ^ 1) * Tile::BYTES, grad, ld_o, q0 + BQ, n_q);
@@ -1400,11 +1422,12 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
         u32 da[BQ / 16][4];
         c_to_a<T, BQ>(da, ds);
         wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);
-        // dS (rounded to T, as dK's product takes it) into shared memory for dQᵀ = Kᵀ·dSᵀ; the last
-        // tile's dQᵀ product was waited for, so the buffer is free.
+        // dS (rounded to T, as dK's product takes it) into shared memory for dQᵀ = Kᵀ·dSᵀ.
         ds_store_t<BQ>(ss, da, warp * 16);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
+        if (threadIdx.x == 0)  // the reduction of tile it - 2 has read stage it & 1, filled below
+            asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+        __syncthreads();  // dS is everyone's, and the stage free
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb)  // rows 64 mb.. of dQᵀ: K's column block mb
             wg_issue_ss<T, BQ, kTcRows, KTile, STile, 1, 0>(dqt[mb], ks + mb * kTcRows * KTile::SW, ss, 0);
@@ -1413,23 +1436,16 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
         fence_regs(dk_acc);
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb) fence_regs(dqt[mb]);
-        // The tile's dQ to shared memory, float4 f of thread t at (f · 128 + t) · 16 bytes
-        // (attention_bwd_dq_store's order), then one bulk reduction into the accumulator.
-#pragma unroll
-        for (int mb = 0; mb < D / 64; ++mb)
-#pragma unroll
-            for (int j = 0; j < BQ / 8; ++j)
-                sts128(stage + ((mb * (BQ / 8) + j) * kAttnThreads + threadIdx.x) * 16, dqt[mb][j][0],
-                       dqt[mb][j][1], dqt[mb][j][2], dqt[mb][j][3]);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // The tile's dQ to its stage; the next iteration's first barrier publishes it, and its reduction follows.
+        stage_dq<BQ, D>(stage + (it & 1) * STAGE_BYTES, dqt);
+    }
+    if (n_tiles > 0) {  // the last tile's reduction
         __syncthreads();
         if (threadIdx.x == 0) {
-            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                         ::"l"(dq_acc + (long long)(q0 / BQ) * BQ * D), "r"(stage), "n"(BQ * D * 4) : "memory");
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            reduce_dq<BQ, D>(dq_acc, q_begin + (n_tiles - 1) * BQ, stage + ((n_tiles - 1) & 1) * STAGE_BYTES);
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
         }
     }
-    if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
     frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
 }
@@ -1588,6 +1604,20 @@ struct TmaJob {
     }
 };
 
+// The max and the sum of t[I, I + N) as balanced trees (N a power of 2).
+template <int N, int I = 0> struct Tree {
+    template <int M> static __device__ __forceinline__ float max(const float (&t)[M]) {
+        return fmaxf(Tree<N / 2, I>::max(t), Tree<N / 2, I + N / 2>::max(t));
+    }
+    template <int M> static __device__ __forceinline__ float sum(const float (&t)[M]) {
+        return Tree<N / 2, I>::sum(t) + Tree<N / 2, I + N / 2>::sum(t);
+    }
+};
+template <int I> struct Tree<1, I> {
+    template <int M> static __device__ __forceinline__ float max(const float (&t)[M]) { return t[I]; }
+    template <int M> static __device__ __forceinline__ float sum(const float (&t)[M]) { return t[I]; }
+};
+
 // The online softmax of one tile of scores sc (keys n0.., this thread's rows r_lo and r_hi of the
 // warp's rows row0..row0 + 15), in place: sc becomes the unnormalised probabilities, m and l the
 // running row max (log2 units) and this lane's part of the row sum, a the factor O is rescaled by.
@@ -1596,42 +1626,45 @@ __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0,
                                                  int off, int n_k, float sl2, float& m_lo, float& m_hi, float& l_lo,
                                                  float& l_hi, float& a_lo, float& a_hi) {
     const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key hidden from some row of the warp
-    float mx_lo = -KILN_INF, mx_hi = -KILN_INF;
+    // Maxima and sums as balanced trees over the tile's BN / 8 column groups, not one chain: log2(BN / 4)
+    // dependent steps instead of BN / 8 (the warp has few independent instructions to hide a chain's latency).
+    float t_lo[BN / 8], t_hi[BN / 8];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = n0 + j * 8 + 2 * c + (e & 1);
             const int row = e < 2 ? r_lo : r_hi;
-            sc[j][e] = (edge && (key > row + off || key >= n_k)) ? -KILN_INF : sc[j][e] * sl2;
+            if (edge && (key > row + off || key >= n_k)) sc[j][e] = -KILN_INF;
         }
-        mx_lo = fmaxf(mx_lo, fmaxf(sc[j][0], sc[j][1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(sc[j][2], sc[j][3]));
+        t_lo[j] = fmaxf(sc[j][0], sc[j][1]);
+        t_hi[j] = fmaxf(sc[j][2], sc[j][3]);
     }
+    float mx_lo = Tree<BN / 8>::max(t_lo), mx_hi = Tree<BN / 8>::max(t_hi);
 #pragma unroll
     for (int o_ = 1; o_ <= 2; o_ <<= 1) {
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o_));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o_));
     }
-    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    // The max of the raw scores, then in log2 units (sl2 > 0 keeps the order, so it is the max of the scaled ones)
+    const float mn_lo = fmaxf(m_lo, mx_lo * sl2), mn_hi = fmaxf(m_hi, mx_hi * sl2);
     // A row with every key masked so far keeps m = -inf; its exponentials are then all 0.
     const float sub_lo = mn_lo == -KILN_INF ? 0.0f : mn_lo, sub_hi = mn_hi == -KILN_INF ? 0.0f : mn_hi;
     a_lo = ex2(m_lo - sub_lo);
     a_hi = ex2(m_hi - sub_hi);
     m_lo = mn_lo;
     m_hi = mn_hi;
-    float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
-        sc[j][0] = ex2(sc[j][0] - sub_lo);
-        sc[j][1] = ex2(sc[j][1] - sub_lo);
-        sc[j][2] = ex2(sc[j][2] - sub_hi);
-        sc[j][3] = ex2(sc[j][3] - sub_hi);
-        sum_lo += sc[j][0] + sc[j][1];
-        sum_hi += sc[j][2] + sc[j][3];
+        sc[j][0] = ex2(fmaf(sc[j][0], sl2, -sub_lo));  // one FFMA: scaled and shifted
+        sc[j][1] = ex2(fmaf(sc[j][1], sl2, -sub_lo));
+        sc[j][2] = ex2(fmaf(sc[j][2], sl2, -sub_hi));
+        sc[j][3] = ex2(fmaf(sc[j][3], sl2, -sub_hi));
+        t_lo[j] = sc[j][0] + sc[j][1];
+        t_hi[j] = sc[j][2] + sc[j][3];
     }
-    l_lo = l_lo * a_lo + sum_lo;  // the quad's parts are summed at the end
-    l_hi = l_hi * a_hi + sum_hi;
+    l_lo = l_lo * a_lo + Tree<BN / 8>::sum(t_lo);  // the quad's parts are summed at the end
+    l_hi = l_hi * a_hi + Tree<BN / 8>::sum(t_hi);
 }
 
 template <typename T, int D, bool PingPong>
@@ -1700,12 +1733,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         // Every wgmma below is issued unconditionally between its waits, so that ptxas can see which
         // product a wait completes (a conditional issue made it serialise them: C7514).
         {
-            float sc[BN / 8][4];
-            zero_acc(sc);
-            fence_regs(sc);
+            float sc[BN / 8][4];  // S = Q·Kᵀ overwrites it
             mbar_wait(full + 8 * (kv % S), (kv / S) & 1);
             if (PingPong) named_sync(kTmaTurnBarrier + me, 256);  // this consumer's turn at the tensor cores
-            wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + (kv % S) * Shape::KV_BYTES);
+            wg_issue<T, BN, D, BN, D, 0, true>(sc, qa, ks + (kv % S) * Shape::KV_BYTES);
             if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<0>();
             fence_regs(sc);
@@ -1715,11 +1746,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         for (int it = 1; it < jb.n_tiles; ++it) {
             const int st = (kv + it) % S, prev = (kv + it - 1) % S;
             float sc[BN / 8][4];
-            zero_acc(sc);
-            fence_regs(sc);  // zeroed before the products are issued, not while they run
             mbar_wait(full + 8 * st, ((kv + it) / S) & 1);
             if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
-            wg_issue<T, BN, D, BN, D, 0>(sc, qa, ks + st * Shape::KV_BYTES);
+            wg_issue<T, BN, D, BN, D, 0, true>(sc, qa, ks + st * Shape::KV_BYTES);
             wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + prev * Shape::KV_BYTES);
             if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<1>();  // S(it) is done; P(it - 1)·V(it - 1) may still run

@@ -1,0 +1,66 @@
+"""One call of each attention kernel, kiln's and PyTorch SDPA's, for Nsight Compute to profile.
+
+    ncu --clock-control none --profile-from-start off --set full python benchmarks/attention_ncu.py [--shape 16,12,1024,64]
+
+Causal bf16 at one B,H,T,D (default GPT-2 124M's 16x12x1024x64): every kernel is first run twice
+unprofiled (compiled, autotuned, caches warm), then the profiler range (cudaProfilerStart/Stop)
+holds exactly one call each of kiln's forward (KILN_ATTENTION_FWD as set, default tma-pingpong), its
+split backward (delta, dK/dV, dQ), its fused-bulk backward, and SDPA's forward+backward, in that
+order, each after a device synchronisation, so `--profile-from-start off` profiles those kernels
+and nothing else. Prints which call each range holds; ncu prints the kernels' sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_speed import BF16, kiln_and_torch  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="16,12,1024,64", help="B,H,T,D")
+    args = p.parse_args(argv)
+    k, torch = kiln_and_torch()
+    if k is None:
+        return 2
+    import cupy
+    import torch.nn.functional as F
+    shape = tuple(int(x) for x in args.shape.split(","))
+    scale = 1.0 / math.sqrt(shape[3])
+    gen = k.new_generator(0)
+    q, kk, v, g = (k.rng_normal(gen, shape, BF16) for _ in range(4))
+    tq, tk, tv = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    tg = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    out, lse = k.attention_fwd(q, kk, v, scale)
+
+    def backward(variant):
+        def run():
+            os.environ["KILN_ATTENTION_BWD"] = variant
+            k.attention_bwd(g, q, kk, v, out, lse, scale)
+        return run
+
+    calls = [("kiln forward", lambda: k.attention_fwd(q, kk, v, scale)),
+             ("kiln backward split", backward("split")),
+             ("kiln backward fused-bulk", backward("fused-bulk")),
+             ("sdpa forward+backward",
+              lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).backward(tg))]
+    for _, run in calls * 2:
+        run()
+    cupy.cuda.runtime.deviceSynchronize()
+    for name, run in calls:
+        print(f"profiled: {name} at {'x'.join(map(str, shape))}", flush=True)
+        torch.cuda.profiler.start()
+        run()
+        cupy.cuda.runtime.deviceSynchronize()
+        torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
