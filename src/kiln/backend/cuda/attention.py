@@ -306,7 +306,8 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     tc = _tensor_cores(t)
     (q,), qs = _layout([q])
     (k, v), kvs = _layout([a.astype(q.dtype, copy=False) for a in (k, v)])
-    (out, grad), os_ = _layout([a.astype(q.dtype, copy=False) for a in (out, grad)])
+    (grad,), gs = _layout([grad.astype(q.dtype, copy=False)])
+    (out,), os_ = _layout([out.astype(q.dtype, copy=False)])  # read by the delta kernel only
     lse = cp.ascontiguousarray(lse.astype(cp.float32, copy=False))
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
@@ -315,8 +316,8 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     delta = cp.empty((b, h, n_q), dtype=cp.float32)
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
         (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,),
-        (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(os_)))
-    common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, os_))
+        (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(gs, os_)))
+    common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, gs))
     variant = bwd_variant() if tc and d in FUSED_HEAD_DIMS else "split"
     if variant == "fused-bulk":
         # dQ in fp32 [B·H, n_qt, BQ·D], zeroed; every key block adds its tiles (in whatever order the blocks

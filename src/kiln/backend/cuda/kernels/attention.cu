@@ -352,19 +352,24 @@ __global__ void __launch_bounds__(kF32Threads, kF32MinBlocks)
 // reading V = 16 / sizeof(T) elements of both operands as one 16-byte load (every row is 16-byte
 // aligned: the launcher's _strides), 256 / L rows per block (delta_rows_per_block), the L partial
 // sums added by shuffles. (One warp per row moved 64 bytes per load instruction at D = 64 bf16.)
+// grad and out each have their own layout (out is [B, T, H, D] from the forward, grad whatever
+// the layer above gave): no copy of either into the other's.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_delta(const T* __restrict__ grad, const T* __restrict__ out,
                                                            float* __restrict__ delta, long long rows, int n_t,
-                                                           int n_h, KILN_LAYOUT(o)) {
+                                                           int n_h, KILN_LAYOUT(g), KILN_LAYOUT(o)) {
     constexpr int V = 16 / (int)sizeof(T), L = D / V;
     static_assert(D % V == 0 && L <= 32 && 32 % L == 0, "a row's lanes are a power of two within a warp");
     const long long row = (long long)blockIdx.x * (256 / L) + threadIdx.x / L;
     const int part = threadIdx.x % L;
     float s = 0.0f;
     if (row < rows) {
-        const long long e = head_offset((int)(row / n_t), n_h, o_sb, o_sh) + (row % n_t) * o_st + part * V;
-        const uint4 gv = __ldg(reinterpret_cast<const uint4*>(grad + e));
-        const uint4 ov = __ldg(reinterpret_cast<const uint4*>(out + e));
+        const int bh = (int)(row / n_t);
+        const long long t = row % n_t;
+        const T* g = grad + head_offset(bh, n_h, g_sb, g_sh) + t * g_st + part * V;
+        const T* o = out + head_offset(bh, n_h, o_sb, o_sh) + t * o_st + part * V;
+        const uint4 gv = __ldg(reinterpret_cast<const uint4*>(g));
+        const uint4 ov = __ldg(reinterpret_cast<const uint4*>(o));
         const T* gs = reinterpret_cast<const T*>(&gv);
         const T* os = reinterpret_cast<const T*>(&ov);
 #pragma unroll
