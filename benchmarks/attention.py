@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_speed import BF16, graph_ms, kiln_and_torch, write_rows  # noqa: E402
+from kernel_speed import BF16, graph_ms, kiln_and_torch, sdpa_fwd_bwd, write_rows  # noqa: E402
 
 SHAPES = [  # (B, H, T, D)
     (16, 12, 1024, 64),  # GPT-2 124M's step
@@ -62,7 +62,7 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
         return k.attention_bwd(g, q, kk, v, o, s, scale)
 
     def torch_fwd_bwd():
-        F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).backward(tg)
+        sdpa_fwd_bwd(tq, tk, tv, tg)
 
     def torch_fwd():
         F.scaled_dot_product_attention(tq.detach(), tk.detach(), tv.detach(), is_causal=True)

@@ -42,8 +42,8 @@
 # the heuristic's GEMM algorithms (kiln) beside the tuned ones (kiln-tuned, which tunes in its step 0 on this
 # fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s),
 # attention-ncu (issue 14: Nsight Compute's full set on one call of each attention kernel, kiln's forward, split and
-# fused-bulk backwards and SDPA's, at the GPT-2 shape: benchmarks/attention_ncu.py; the report, its details page and
-# its per-SASS-instruction page, ~3 min).
+# fused-bulk backwards and SDPA's, at the GPT-2 shape: benchmarks/attention_ncu.py; the report, its details page,
+# its per-SASS-instruction page and their digest by benchmarks/ncu_summary.py, ~1 min).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -159,7 +159,9 @@ for p in "$@"; do
                            --import-source no -o "$LOGS/attention-ncu" python3 benchmarks/attention_ncu.py &&
                        part attention-ncu-details 120 ncu --import "$LOGS/attention-ncu.ncu-rep" --page details &&
                        part attention-ncu-sass 120 ncu --import "$LOGS/attention-ncu.ncu-rep" --page source --csv \
-                           --print-source sass ;;
+                           --print-source sass &&
+                       part attention-ncu-summary 60 python3 benchmarks/ncu_summary.py "$LOGS/attention-ncu-details.log" \
+                           "$LOGS/attention-ncu-sass.log" --out "$LOGS/attention-ncu-summary.md" ;;
         gemm-tune) part gemm-tune-tests 240 python3 benchmarks/cuda_suite.py --shards 2 --logs "$LOGS/gemm-tune" \
                        --paths tests/test_gemm_autotune.py tests/test_cuda_gemm.py
                    part gpt2_step-gemm-tune 150 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 \
