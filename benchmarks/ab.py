@@ -1,0 +1,164 @@
+"""A/B of source trees in one device call: each arm is a commit's (or the working tree's) code, run from
+a folder of its own, the arms interleaved, and `benchmarks/attention.py`'s tables merged into one.
+
+    here, in the checkout:  python benchmarks/ab.py prepare 53bfcb3 HEAD wt      (-> ab-arms/, git-ignored)
+    on the device:          python3 benchmarks/ab.py run --repeat 2 --logs $OUT/ab -- \\
+                                python3 benchmarks/attention.py --bwd split
+                            python3 benchmarks/ab.py table $OUT/ab
+
+(pass `carry: ["ab-arms"]` to the device call). An arm holds src/, benchmarks/ (without results/),
+tests/ and pyproject.toml; the command runs with the arm's folder as its working directory and the
+arm's src/ as PYTHONPATH. A folder per arm, not PYTHONPATH alone, because the benchmarks put their
+own ROOT/src first on sys.path (kernel_speed.py): an A/B that only switched PYTHONPATH ran one tree
+in every arm (2026-12-06). Kernels compile into the shared cache under a hash of their source, so
+arms never share a stale cubin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("src", "benchmarks", "tests", "pyproject.toml")
+EXCLUDE = "benchmarks/results"
+OPS = ("fwd", "bwd", "fwd+bwd")
+
+
+def _git(*args, cwd: Path) -> bytes:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True).stdout
+
+
+def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
+    """ab-arms/<i>-<name>.tgz for each rev (`wt`: the working tree's tracked and untracked, not ignored,
+    files) and manifest.json naming them in order."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.tgz"):
+        old.unlink()
+    arms = []
+    for i, rev in enumerate(revs):
+        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in rev)
+        if rev == "wt":
+            sha = _git("rev-parse", "--short", "HEAD", cwd=repo).decode().strip() + "+wt"
+            files = _git("ls-files", "-co", "--exclude-standard", "--", *PATHS, f":(exclude){EXCLUDE}", cwd=repo)
+            with tarfile.open(out / f"{i}-{name}.tgz", "w:gz") as tar:
+                for f in files.decode().splitlines():
+                    if (repo / f).is_file():
+                        tar.add(repo / f, arcname=f)
+        else:
+            sha = _git("rev-parse", "--short", rev, cwd=repo).decode().strip()
+            top = set(_git("ls-tree", "--name-only", rev, cwd=repo).decode().splitlines())
+            data = _git("archive", "--format=tar", rev, "--", *[p for p in PATHS if p in top], f":(exclude){EXCLUDE}",
+                        cwd=repo)
+            with tarfile.open(out / f"{i}-{name}.tgz", "w:gz") as tar, tarfile.open(fileobj=io.BytesIO(data)) as src:
+                for member in src.getmembers():
+                    tar.addfile(member, src.extractfile(member) if member.isfile() else None)
+        arms.append({"name": name, "rev": rev, "commit": sha, "file": f"{i}-{name}.tgz"})
+    (out / "manifest.json").write_text(json.dumps(arms, indent=1) + "\n")
+    return arms
+
+
+def run(arms_dir: Path, work: Path, logs: Path, cmd: list[str], repeat: int, timeout: float) -> list[dict]:
+    """Every arm's folder made from its archive, then the command run in each, arm after arm, `repeat` times."""
+    if not cmd:
+        raise SystemExit("ab.py run: no command after --")
+    arms = json.loads((arms_dir / "manifest.json").read_text())
+    logs.mkdir(parents=True, exist_ok=True)
+    for arm in arms:
+        d = work / arm["name"]
+        d.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(arms_dir / arm["file"]) as tar:
+            tar.extractall(d, filter="data")
+    runs = []
+    for i in range(1, repeat + 1):
+        for arm in arms:
+            d = work / arm["name"]
+            env = dict(os.environ, PYTHONPATH=str(d / "src"), KILN_AB_ARM=arm["name"], KILN_COMMIT=arm["commit"])
+            log = logs / f"{arm['name']}-{i}.log"
+            t0 = time.monotonic()
+            with open(log, "w") as f:
+                try:
+                    rc = subprocess.run(cmd, cwd=d, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            runs.append({"arm": arm["name"], "commit": arm["commit"], "run": i, "rc": rc,
+                         "seconds": round(time.monotonic() - t0, 1), "log": log.name})
+            print(f"{arm['name']} ({arm['commit']}) run {i}: rc {rc} in {runs[-1]['seconds']} s", flush=True)
+    (logs / "runs.json").write_text(json.dumps({"command": cmd, "arms": arms, "runs": runs}, indent=1) + "\n")
+    return runs
+
+
+def attention_rows(text: str) -> dict[tuple, float]:
+    """kiln's ms per (shape, op, fwd kernel, bwd kernel) from a benchmarks/attention.py log."""
+    rows = {}
+    for line in text.splitlines():
+        p = line.split()
+        if len(p) >= 10 and p[1] in OPS and p[0].count("x") == 3:
+            try:
+                rows[(p[0], p[1], p[3], p[4])] = float(p[5])
+            except ValueError:
+                continue
+    return rows
+
+
+def table(logs: Path) -> str:
+    """Each case's kiln ms in every run, each arm's median, and the median's ratio to the first arm's."""
+    meta = json.loads((logs / "runs.json").read_text())
+    names = [a["name"] for a in meta["arms"]]
+    runs = [(r["arm"], r["run"], attention_rows((logs / r["log"]).read_text(errors="replace"))) for r in meta["runs"]]
+    cases = list(dict.fromkeys(k for _, _, rows in runs for k in rows))
+    if not cases:
+        return "no benchmarks/attention.py rows in these logs\n"
+    cols = [f"{a}-{i}" for a, i, _ in runs]
+    out = ["kiln ms; " + ", ".join(f"{a['name']} = {a['commit']}" for a in meta["arms"]),
+           " ".join(["case".ljust(44)] + [c.rjust(9) for c in cols] + [f"med {n}".rjust(9) for n in names]
+                    + [f"{n}/{names[0]}".rjust(9) for n in names[1:]])]
+    for case in cases:
+        vals = [rows.get(case) for _, _, rows in runs]
+        med = {n: statistics.median([v for (a, _, _), v in zip(runs, vals) if a == n and v is not None] or [float("nan")])
+               for n in names}
+        cells = [("-" if v is None else f"{v:.3f}").rjust(9) for v in vals]
+        cells += [f"{med[n]:.3f}".rjust(9) for n in names]
+        cells += [f"{med[n] / med[names[0]]:.3f}".rjust(9) for n in names[1:]]
+        out.append(" ".join([" ".join(c for c in case if c != "-").ljust(44)] + cells))
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("prepare", help="archive each rev's code (wt: the working tree) into --arms")
+    p.add_argument("revs", nargs="+")
+    p.add_argument("--arms", type=Path, default=ROOT / "ab-arms")
+    r = sub.add_parser("run", help="run the command after -- in every arm, interleaved")
+    r.add_argument("--arms", type=Path, default=ROOT / "ab-arms")
+    r.add_argument("--work", type=Path, default=Path("/tmp/kiln-ab"))
+    r.add_argument("--logs", type=Path, required=True)
+    r.add_argument("--repeat", type=int, default=2)
+    r.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
+    r.add_argument("cmd", nargs=argparse.REMAINDER)
+    t = sub.add_parser("table", help="merge the runs' benchmarks/attention.py tables")
+    t.add_argument("logs", type=Path)
+    args = ap.parse_args(argv)
+    if args.what == "prepare":
+        for arm in prepare(args.revs, ROOT, args.arms):
+            print(f"{arm['file']}: {arm['rev']} = {arm['commit']}")
+    elif args.what == "run":
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        runs = run(args.arms, args.work, args.logs, cmd, args.repeat, args.timeout)
+        return 0 if all(r["rc"] == 0 for r in runs) else 1
+    else:
+        sys.stdout.write(table(args.logs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""benchmarks/ab.py: each arm runs its own tree (not the checkout's: the pitfall that voided an A/B on
+2026-12-06), arms interleaved, and the attention tables merged with medians and ratios."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.benchmark_support import load_benchmark
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+@pytest.fixture()
+def repo(tmp_path):
+    r = tmp_path / "repo"
+    (r / "src" / "kiln").mkdir(parents=True)
+    (r / "benchmarks" / "results").mkdir(parents=True)
+    (r / "benchmarks" / "results" / "big.json").write_text("{}")
+    (r / "benchmarks" / "which.py").write_text("import kiln\nprint('version', kiln.VERSION)\n")
+    _git(r, "init", "-q")
+    for version in (1, 2):
+        (r / "src" / "kiln" / "__init__.py").write_text(f"VERSION = {version}\n")
+        _git(r, "add", "-A")
+        _git(r, "commit", "-q", "-m", f"v{version}")
+    (r / "src" / "kiln" / "__init__.py").write_text("VERSION = 3\n")  # the working tree, uncommitted
+    return r
+
+
+def test_every_arm_runs_its_own_tree_interleaved(repo, tmp_path):
+    ab = load_benchmark("ab")
+    arms = ab.prepare(["HEAD~1", "HEAD", "wt"], repo, tmp_path / "arms")
+    assert [a["name"] for a in arms] == ["HEAD_1", "HEAD", "wt"] and arms[2]["commit"].endswith("+wt")
+    runs = ab.run(tmp_path / "arms", tmp_path / "work", tmp_path / "logs", [sys.executable, "benchmarks/which.py"],
+                  repeat=2, timeout=60)
+    assert [(r["arm"], r["run"], r["rc"]) for r in runs] == [
+        ("HEAD_1", 1, 0), ("HEAD", 1, 0), ("wt", 1, 0), ("HEAD_1", 2, 0), ("HEAD", 2, 0), ("wt", 2, 0)]
+    got = {r["log"]: (tmp_path / "logs" / r["log"]).read_text().strip() for r in runs}
+    assert got["HEAD_1-2.log"] == "version 1" and got["HEAD-1.log"] == "version 2" and got["wt-2.log"] == "version 3"
+    assert not (tmp_path / "work" / "HEAD" / "benchmarks" / "results").exists()  # results stay home
+
+
+def test_the_table_has_every_run_the_medians_and_the_ratios(tmp_path):
+    ab = load_benchmark("ab")
+    arms = [{"name": "base", "commit": "aaa"}, {"name": "new", "commit": "bbb"}]
+    runs = []
+    for arm, ms in (("base", (1.0, 1.2)), ("new", (0.5, 0.7))):
+        for i, v in enumerate(ms, 1):
+            (tmp_path / f"{arm}-{i}.log").write_text(
+                "B x H x T x D      op       dtype     fwd          bwd      kiln ms   sdpa ms ...\n"
+                f"2x12x16384x64      fwd      bfloat16  tma-pingpong -          {v:.3f}     1.926    321.4    428.1   0.75x\n")
+            runs.append({"arm": arm, "run": i, "log": f"{arm}-{i}.log"})
+    (tmp_path / "runs.json").write_text(json.dumps({"arms": arms, "runs": runs}))
+    lines = ab.table(tmp_path).splitlines()
+    assert lines[0] == "kiln ms; base = aaa, new = bbb"
+    row = lines[2].split()
+    assert row[:3] == ["2x12x16384x64", "fwd", "tma-pingpong"]
+    assert row[3:] == ["1.000", "1.200", "0.500", "0.700", "1.100", "0.600", "0.545"]
