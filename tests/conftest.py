@@ -18,6 +18,8 @@ import pytest
 import kiln
 
 os.environ.setdefault("KILN_CACHE", tempfile.mkdtemp(prefix="kiln-cache-"))
+# Every kernel launch of the CUDA tests checked against the kernel's parameters (launch.check_arguments)
+os.environ.setdefault("KILN_CHECK_LAUNCHES", "1")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = {np.dtype(np.float32): 1e-5, BF16: 1e-2, np.dtype(np.float16): 2e-3}

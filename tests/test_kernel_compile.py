@@ -8,6 +8,8 @@ with `--ptxas-options=-v`, and the log is checked per kernel: no spill stores or
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="needs cuda-bindings (and nvidia-cuda-nvrtc)")
@@ -59,7 +61,7 @@ def compiled():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_compiles_without_spills(family, compiled):
-    result = compiler.compile_family(family, ARCH, verbose_ptxas=True)
+    result = compiler.compile_family(family, ARCH, verbose_ptxas=True, ptx=True)
     compiled[family] = result
     assert result.cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
     assert set(result.lowered) == set(FAMILIES[family])
@@ -72,6 +74,31 @@ def test_family_compiles_without_spills(family, compiled):
     assert not bad, "register spills or stack frames:\n" + "\n".join(f"  {e}: {r}" for e, r in sorted(bad.items()))
     for e, r in by_expr.items():
         assert r["registers"] is not None and r["registers"] <= 255, (e, r)
+
+
+def _ptx_param_sizes(ptx: str, mangled: str) -> list[int]:
+    """Each parameter's bytes from the PTX entry's declarations (`.param .u32 x`, `.param .align 64 .b8 x[128]`)."""
+    start = ptx.index(f".entry {mangled}(")
+    sizes = []
+    for decl in re.findall(r"\.param\s+([^,]*)", ptx[start:ptx.index(")", start)]):
+        bits = int(re.match(r"(?:\.align\s+\d+\s+)?\.[a-z]+(\d+)", decl).group(1))
+        count = re.search(r"\[(\d+)\]\s*$", decl.strip())
+        sizes.append(bits // 8 * (int(count.group(1)) if count else 1))
+    return sizes
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_cubins_parameter_table_matches_the_ptx(family, compiled):
+    """compiler.param_sizes (what KILN_CHECK_LAUNCHES checks every launch against) reads the cubin's
+    .nv.info tables; the PTX's entry declarations say the same independently, for every kernel."""
+    result = compiled.get(family) or compiler.compile_family(family, ARCH, ptx=True)
+    for expr, mangled in result.lowered.items():
+        assert compiler.param_sizes(result.cubin, mangled) == _ptx_param_sizes(result.ptx, mangled), expr
+    if family == "attention.cu":  # one known by heart: 9 pointers, 5 ints, the scale, 4 layouts of 3 strides
+        fused = compiler.param_sizes(result.cubin, result.lowered["attention_bwd_fused_tc<__nv_bfloat16, 64>"])
+        assert fused == [8] * 9 + [4] * 5 + [4] + [8] * 12
+        tma = compiler.param_sizes(result.cubin, result.lowered["attention_fwd_tma<__nv_bfloat16, 64, true>"])
+        assert tma[:3] == [128] * 3  # the TMA maps, by value
 
 
 def test_compile_error_names_the_family_and_carries_the_log(tmp_path, monkeypatch):

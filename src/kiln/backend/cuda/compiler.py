@@ -96,13 +96,14 @@ def _headers_digest() -> str:
 
 
 class CompiledFamily:
-    """A family's cubin, the mangled name of each name expression and NVRTC's log."""
+    """A family's cubin, the mangled name of each name expression and NVRTC's log (and its PTX, when asked for)."""
 
-    def __init__(self, family: str, cubin: bytes, lowered: dict, log: str):
+    def __init__(self, family: str, cubin: bytes, lowered: dict, log: str, ptx: str | None = None):
         self.family = family
         self.cubin = cubin
         self.lowered = lowered
         self.log = log
+        self.ptx = ptx
 
 
 def _check(result, what, family, log=""):
@@ -115,8 +116,9 @@ def _check(result, what, family, log=""):
 
 
 def compile_family(family: str, arch: str = "sm_90a", name_expressions=None,
-                   verbose_ptxas: bool = False, extra_options=()) -> CompiledFamily:
-    """Compile kernels/<family> with NVRTC (cuda.bindings) to a cubin; raise KernelCompileError with the log."""
+                   verbose_ptxas: bool = False, extra_options=(), ptx: bool = False) -> CompiledFamily:
+    """Compile kernels/<family> with NVRTC (cuda.bindings) to a cubin (and keep the PTX when `ptx`); raise
+    KernelCompileError with the log."""
     from cuda.bindings import nvrtc
     source = family_source(family)
     exprs = list(FAMILIES[family] if name_expressions is None else name_expressions)
@@ -144,9 +146,14 @@ def compile_family(family: str, arch: str = "sm_90a", name_expressions=None,
         cubin = bytearray(n)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin", family)
         cubin = bytes(cubin)
+        text = None
+        if ptx:
+            buf = bytearray(_check(nvrtc.nvrtcGetPTXSize(prog), "PTX size", family)[0])
+            _check(nvrtc.nvrtcGetPTX(prog, buf), "PTX", family)
+            text = bytes(buf).rstrip(b"\x00").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return CompiledFamily(family, cubin, lowered, log)
+    return CompiledFamily(family, cubin, lowered, log, text)
 
 
 _PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'")
@@ -174,6 +181,55 @@ def ptxas_report(log: str) -> dict:
         if m:
             out[cur]["registers"] = int(m.group(1))
     return out
+
+
+_EIATTR_KPARAM_INFO = 0x17  # cuda's nvinfo attribute of one kernel parameter
+_EIFMT_SVAL = 0x04           # an attribute with a 16-bit size and that many bytes of value
+
+
+def _elf_sections(elf: bytes) -> dict[str, bytes]:
+    """{name: contents} of a 64-bit little-endian ELF's sections (a cubin)."""
+    shoff = int.from_bytes(elf[0x28:0x30], "little")
+    entsize, count, names_at = (int.from_bytes(elf[o:o + 2], "little") for o in (0x3A, 0x3C, 0x3E))
+    headers = [elf[shoff + i * entsize: shoff + (i + 1) * entsize] for i in range(count)]
+
+    def contents(h):
+        offset, size = int.from_bytes(h[24:32], "little"), int.from_bytes(h[32:40], "little")
+        return elf[offset:offset + size]
+
+    names = contents(headers[names_at])
+    out = {}
+    for h in headers:
+        start = int.from_bytes(h[0:4], "little")
+        out[names[start:names.index(b"\0", start)].decode()] = contents(h)
+    return out
+
+
+def param_sizes(cubin: bytes, mangled: str) -> list[int] | None:
+    """The byte size of each parameter of kernel `mangled`, in order, from the cubin's `.nv.info.<kernel>`
+    section (EIATTR_KPARAM_INFO records: ordinal, offset, and the size in bits 18-31 of their flags), or None
+    where the table is missing or does not describe parameters 0..n-1 laid out without overlap."""
+    info = _elf_sections(cubin).get(f".nv.info.{mangled}")
+    if info is None:
+        return None
+    params, i = {}, 0
+    while i + 4 <= len(info):
+        fmt, attr = info[i], info[i + 1]
+        if fmt != _EIFMT_SVAL:
+            i += 4  # the other formats carry their value in these 4 bytes
+            continue
+        size = int.from_bytes(info[i + 2:i + 4], "little")
+        value = info[i + 4:i + 4 + size]
+        if attr == _EIATTR_KPARAM_INFO and size >= 12:
+            ordinal, offset = (int.from_bytes(value[o:o + 2], "little") for o in (4, 6))
+            params[ordinal] = (offset, (int.from_bytes(value[8:12], "little") >> 18) & 0x3FFF)
+        i += 4 + size
+    if sorted(params) != list(range(len(params))):
+        return None
+    layout = [params[k] for k in range(len(params))]
+    if any(o + n > o2 for (o, n), (o2, _) in zip(layout, layout[1:])):
+        return None
+    return [n for _, n in layout]
 
 
 def _nvrtc_version() -> str:

@@ -9,6 +9,7 @@ backend's kernel on a host copy (correct, slow, and never on a training hot path
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -23,6 +24,7 @@ from kiln.backend.cuda.compiler import (
     family_source,
     load_or_compile,
     nvrtc_options,
+    param_sizes,
 )
 from kiln.errors import KilnError
 
@@ -143,19 +145,50 @@ def set_max_dynamic_shared(function, nbytes: int) -> None:
     cupy.cuda.driver.funcSetAttribute(func.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
 
 
-class Kernel:
-    """One compiled kernel; calling it launches on kiln's stream."""
+def argument_bytes(a) -> int | None:
+    """The bytes CuPy hands the driver for a kernel argument (cupy/cuda/function.pyx's _pointer): 8 for None or
+    a device array, a NumPy scalar's itemsize, a one-element host array's itemsize (by value: a TMA map), 8 for
+    a Python int, bool or float (int64, float64); None for anything else."""
+    if a is None or hasattr(a, "__cuda_array_interface__"):
+        return 8
+    if isinstance(a, np.ndarray):
+        return a.itemsize if a.size == 1 else None
+    if isinstance(a, np.generic):
+        return a.itemsize
+    if isinstance(a, (int, float)):
+        return 8
+    return None
 
-    def __init__(self, family: str, expr: str, function):
+
+def check_arguments(expr: str, sizes: list[int], args) -> None:
+    """KilnError unless args are as many as the kernel's parameters and each of the parameter's size: the
+    driver copies each parameter's bytes from its argument, so a slip in an argument list is otherwise
+    silent (garbage in the parameters that follow, or reads past a 4-byte scalar)."""
+    if len(args) != len(sizes):
+        raise KilnError(f"kernel {expr} takes {len(sizes)} arguments, this launch passes {len(args)}")
+    wrong = [f"argument {i} is {argument_bytes(a)} bytes, its parameter {n}" for i, (a, n) in enumerate(zip(args, sizes))
+             if argument_bytes(a) not in (None, n)]
+    if wrong:
+        raise KilnError(f"kernel {expr}: " + "; ".join(wrong))
+
+
+class Kernel:
+    """One compiled kernel; calling it launches on kiln's stream. With `sizes` (its parameters' bytes, from the
+    cubin: KILN_CHECK_LAUNCHES=1) every launch's arguments are checked against them first."""
+
+    def __init__(self, family: str, expr: str, function, sizes: list[int] | None = None):
         self.family = family
         self.expr = expr
         self._fn = function
+        self._sizes = sizes
         self._dynamic_shared = STATIC_SHARED_LIMIT  # what the kernel may use without opting in
 
     def __call__(self, grid, block, args, shared_mem: int = 0):
         from kiln.backend.cuda import device
         grid = tuple(int(g) for g in grid) if isinstance(grid, tuple) else (int(grid),)
         block = tuple(int(b) for b in block) if isinstance(block, tuple) else (int(block),)
+        if self._sizes is not None:
+            check_arguments(self.expr, self._sizes, args)
         if any(g <= 0 for g in grid):
             return  # an empty launch (zero rows): nothing to do
         if shared_mem > self._dynamic_shared:  # cudaFuncSetAttribute(MaxDynamicSharedMemorySize), once
@@ -169,7 +202,7 @@ _lock = threading.Lock()
 
 
 def _load_module(family: str):
-    """The loaded module of a family for the current device: (kind, module, lowered names)."""
+    """The loaded module of a family for the current device: (kind, module, its CompiledFamily or None)."""
     from kiln.backend.cuda import device
     arch = device.arch()
     key = (family, device.device_id())
@@ -192,7 +225,7 @@ def _load_module_uncached(family, arch):
     if compiled is not None:
         module = cupy.cuda.function.Module()
         module.load(compiled.cubin)
-        return ("module", module, compiled.lowered)
+        return ("module", module, compiled)
     # CuPy compiles the same source with the same options (and caches the result on disk in
     # ~/.cupy/kernel_cache, keyed by source and options).
     opts = tuple(o for o in nvrtc_options(arch, family=family) if not o.startswith("--gpu-architecture"))
@@ -213,9 +246,13 @@ def get_kernel(family: str, expr: str) -> Kernel:
     cache_k = (family, expr, device.device_id())
     k = _kernels.get(cache_k)
     if k is None:
-        kind, module, lowered = _load_module(family)
-        fn = module.get_function(lowered[expr]) if kind == "module" else module.get_function(expr)
-        k = Kernel(family, expr, fn)
+        kind, module, compiled = _load_module(family)
+        if kind == "module":
+            mangled = compiled.lowered[expr]
+            sizes = param_sizes(compiled.cubin, mangled) if os.environ.get("KILN_CHECK_LAUNCHES") == "1" else None
+            k = Kernel(family, expr, module.get_function(mangled), sizes)
+        else:  # CuPy compiled it: no cubin here to read the parameters from
+            k = Kernel(family, expr, module.get_function(expr))
         _kernels[cache_k] = k
     return k
 
