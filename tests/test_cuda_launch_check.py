@@ -21,6 +21,7 @@ def test_argument_bytes_are_cupys():
 
 def test_matching_arguments_pass():
     check_arguments("k", [8, 4, 4, 8], (DeviceArray(), i32(3), f32(0.5), None))
+    check_arguments("k", [4, 4], (7, i64(7)))  # an integer wider than its parameter: read by its low bytes
 
 
 def test_a_missing_argument_names_the_kernel_and_both_counts():
@@ -29,7 +30,8 @@ def test_a_missing_argument_names_the_kernel_and_both_counts():
         check_arguments("attention_bwd_fused_tc<__nv_bfloat16, 64>", [8, 8, 4], (DeviceArray(), DeviceArray()))
 
 
-def test_a_wrong_width_names_each_argument():
-    with pytest.raises(KilnError, match=r"kernel k: argument 1 is 8 bytes, its parameter 4; argument 2 is 4 bytes, "
-                                        r"its parameter 8"):
-        check_arguments("k", [8, 4, 8], (DeviceArray(), 5, i32(5)))  # a bare int is int64 to CuPy
+def test_a_narrow_argument_or_a_float_of_another_width_names_each_argument():
+    with pytest.raises(KilnError, match=r"kernel k: argument 1 is 8 bytes \(float\), its parameter 4; argument 2 is "
+                                        r"4 bytes \(int32\), its parameter 8; argument 3 is 4 bytes \(float32\), its "
+                                        r"parameter 8"):
+        check_arguments("k", [8, 4, 8, 8], (DeviceArray(), 0.5, i32(5), f32(5)))  # a bare float is a double to CuPy

@@ -160,14 +160,24 @@ def argument_bytes(a) -> int | None:
     return None
 
 
+def _misfit(a, n: int) -> bool:
+    """The driver copies a parameter's n bytes from its argument's value: fewer bytes there read past it, and a
+    float of another width is another number (an integer wider than its parameter is read by its low bytes:
+    the same value, little-endian)."""
+    got = argument_bytes(a)
+    if got is None:
+        return False
+    return got < n or (got != n and isinstance(a, (float, np.floating)))
+
+
 def check_arguments(expr: str, sizes: list[int], args) -> None:
-    """KilnError unless args are as many as the kernel's parameters and each of the parameter's size: the
-    driver copies each parameter's bytes from its argument, so a slip in an argument list is otherwise
-    silent (garbage in the parameters that follow, or reads past a 4-byte scalar)."""
+    """KilnError unless args are as many as the kernel's parameters and each one fits its parameter (_misfit):
+    otherwise a slip in an argument list is silent (every parameter after a missing one shifted, garbage
+    read past a 4-byte scalar where 8 are taken)."""
     if len(args) != len(sizes):
         raise KilnError(f"kernel {expr} takes {len(sizes)} arguments, this launch passes {len(args)}")
-    wrong = [f"argument {i} is {argument_bytes(a)} bytes, its parameter {n}" for i, (a, n) in enumerate(zip(args, sizes))
-             if argument_bytes(a) not in (None, n)]
+    wrong = [f"argument {i} is {argument_bytes(a)} bytes ({type(a).__name__}), its parameter {n}"
+             for i, (a, n) in enumerate(zip(args, sizes)) if _misfit(a, n)]
     if wrong:
         raise KilnError(f"kernel {expr}: " + "; ".join(wrong))
 
