@@ -103,15 +103,16 @@ def _number(s: str) -> float:
         return 0.0
 
 
+COLUMNS = (("us", "Duration", ".1f"), ("DRAM %", "DRAM Throughput", ".1f"), ("DRAM MB", "DRAM MB", ".1f"),
+           ("L2 hit %", "L2 Hit Rate", ".1f"), ("regs", "Registers Per Thread", ".0f"),
+           ("occupancy %", "Achieved Occupancy", ".1f"), ("issue busy %", "Issue Slots Busy", ".1f"))
+
+
 def render(launches: list[dict], kernels: dict[str, dict], top: int) -> str:
-    out = ["| # | kernel | grid x block | us | DRAM % | DRAM MB | L2 hit % | regs | occupancy % | issue busy % |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| # | kernel | grid x block | " + " | ".join(c[0] for c in COLUMNS) + " |",
+           "|---|---|---|" + "---|" * len(COLUMNS)]
     for i, k in enumerate(launches):
-        cells = [f"{k.get(f, float('nan')):.1f}" for f in ("Duration", "DRAM Throughput")]
-        cells.append(f"{k['DRAM MB']:.1f}")
-        cells += [f"{k.get(f, float('nan')):.1f}" for f in ("L2 Hit Rate",)]
-        cells.append(f"{k.get('Registers Per Thread', float('nan')):.0f}")
-        cells += [f"{k.get(f, float('nan')):.1f}" for f in ("Achieved Occupancy", "Issue Slots Busy")]
+        cells = [format(k.get(key, float("nan")), fmt) for _, key, fmt in COLUMNS]
         grid = "x".join(map(str, k["grid"])) + " x " + "x".join(map(str, k["block"]))
         out.append(f"| {i} | `{k['name']}` | {grid} | " + " | ".join(cells) + " |")
     for name, k in kernels.items():
