@@ -187,29 +187,29 @@ _EIATTR_KPARAM_INFO = 0x17  # cuda's nvinfo attribute of one kernel parameter
 _EIFMT_SVAL = 0x04           # an attribute with a 16-bit size and that many bytes of value
 
 
-def _elf_sections(elf: bytes) -> dict[str, bytes]:
-    """{name: contents} of a 64-bit little-endian ELF's sections (a cubin)."""
+def _elf_section(elf: bytes, name: str) -> bytes | None:
+    """The contents of the section called `name` in a 64-bit little-endian ELF (a cubin), or None."""
     shoff = int.from_bytes(elf[0x28:0x30], "little")
     entsize, count, names_at = (int.from_bytes(elf[o:o + 2], "little") for o in (0x3A, 0x3C, 0x3E))
-    headers = [elf[shoff + i * entsize: shoff + (i + 1) * entsize] for i in range(count)]
 
-    def contents(h):
-        offset, size = int.from_bytes(h[24:32], "little"), int.from_bytes(h[32:40], "little")
-        return elf[offset:offset + size]
+    def field(i, at, width):  # a field of section header i
+        start = shoff + i * entsize + at
+        return int.from_bytes(elf[start:start + width], "little")
 
-    names = contents(headers[names_at])
-    out = {}
-    for h in headers:
-        start = int.from_bytes(h[0:4], "little")
-        out[names[start:names.index(b"\0", start)].decode()] = contents(h)
-    return out
+    names = field(names_at, 24, 8)  # the section names' table: its file offset
+    want = name.encode() + b"\0"
+    for i in range(count):
+        at = names + field(i, 0, 4)
+        if elf[at:at + len(want)] == want:
+            return elf[field(i, 24, 8):field(i, 24, 8) + field(i, 32, 8)]
+    return None
 
 
 def param_sizes(cubin: bytes, mangled: str) -> list[int] | None:
     """The byte size of each parameter of kernel `mangled`, in order, from the cubin's `.nv.info.<kernel>`
     section (EIATTR_KPARAM_INFO records: ordinal, offset, and the size in bits 18-31 of their flags), or None
     where the table is missing or does not describe parameters 0..n-1 laid out without overlap."""
-    info = _elf_sections(cubin).get(f".nv.info.{mangled}")
+    info = _elf_section(cubin, f".nv.info.{mangled}")
     if info is None:
         return None
     params, i = {}, 0
