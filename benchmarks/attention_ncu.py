@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     calls = [("kiln forward", lambda: k.attention_fwd(q, kk, v, scale)),
              ("kiln backward split", backward("split")),
              ("kiln backward fused-bulk", backward("fused-bulk")),
-             ("sdpa forward+backward",
-              lambda: sdpa_fwd_bwd(tq, tk, tv, tg))]
+             ("sdpa forward+backward", lambda: sdpa_fwd_bwd(tq, tk, tv, tg))]
     for _, run in calls * 2:
         run()
     cupy.cuda.runtime.deviceSynchronize()

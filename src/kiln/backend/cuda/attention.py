@@ -27,10 +27,10 @@ blocks; dQ by query blocks, S and dP computed in both): bitwise repeatable. KILN
 (head dims 64 and 128) runs delta and one kernel for dK, dV and dQ (`attention_bwd_fused_tc`: the
 key-block walk adds each tile's dQ into an fp32 accumulator with one bulk reduction from shared
 memory, in whatever order the blocks run, so the last bits of dq vary from run to run, as with
-flash-attention 2 and 3's backwards), then `attention_bwd_dq_store` writes dq. Graph-timed on an H100
-(2026-12-06) it took 0.85-0.94x split's time at D = 64 and T >= 2048 (and 0.88x at 1x12x1024x64),
-1.02-1.41x at the other T <= 1024 shapes, 1.28-1.29x at D = 128; adding dQ in a fixed order behind
-semaphores instead, or per element with RED, was slower still at every shape: both were removed.
+flash-attention 2 and 3's backwards), then `attention_bwd_dq_store` writes dq. Graph-timed on an H200
+(2026-12-06, 6b8da99) it took 0.78-0.88x split's time at D = 64 (1.0x at 16x12x1024x64, 1.15x at
+32x12x512x64), 1.10-1.14x at D = 128; adding dQ in a fixed order behind semaphores instead, or per
+element with RED, was slower still at every shape (H100): both were removed.
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
 products need 64 rows at D = 64).
