@@ -501,11 +501,22 @@ def test_attention_dkdv_tiles_are_the_defaults_or_what_the_tuning_knob_names(mon
 
 
 def test_attention_fwd_tma_fits_in_shared_memory():
-    """Q, the K/V stages and the mbarriers fit the H200's 227 KiB of shared memory a block, with the
-    1024 bytes that align the swizzled tiles."""
+    """Q, the K/V stages, the mbarriers and the job slot fit the H200's 227 KiB of shared memory a
+    block, with the 1024 bytes that align the swizzled tiles."""
     from kiln.backend.cuda.attention import TMA_HEAD_DIMS, tma_shared_bytes
-    assert [tma_shared_bytes(d) for d in TMA_HEAD_DIMS] == [148560, 230464]
+    assert [tma_shared_bytes(d) for d in TMA_HEAD_DIMS] == [148568, 230472]
     assert all(tma_shared_bytes(d) <= 227 * 1024 for d in TMA_HEAD_DIMS)
+
+
+def test_attention_fwd_tma_groups_heads_by_the_jobs_a_block_takes():
+    """Head groups of about 4 jobs a block on 132 SMs: GPT-2's 192 heads at T 1024 (8 jobs a head) in
+    groups of 66, the last 60; at T 16384 (128 jobs a head) 5 heads; never fewer than 1 or more than all."""
+    from kiln.backend.cuda.attention import tma_head_group
+    assert tma_head_group(192, 1024, 132) == 66
+    assert tma_head_group(24, 16384, 132) == 5
+    assert tma_head_group(12, 1024, 132) == 12
+    assert tma_head_group(1, 65, 132) == 1
+    assert tma_head_group(4, 1 << 20, 132) == 1
 
 
 def test_tma_map_strides_of_packed_views_and_unit_axes():

@@ -1483,10 +1483,11 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __res
 
 // ---- Forward with flash-attention 3's structure (Shah et al. 2024): TMA, mbarriers, warp specialisation
 //
-// A persistent kernel: one block per SM walks jobs (128 query rows of one head) blockIdx.x,
-// blockIdx.x + gridDim.x, ..., longest rows first, so that a job's first loads overlap the last
-// one's products and output (a block of this size is alone on its SM: its start-up is not hidden
-// by another block's work). 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives
+// A persistent kernel: one block per SM takes jobs (128 query rows of one head, TmaJob's order) as it
+// frees up: its first is its index, each next one from a ticket counter (atomicAdd by the producer, the
+// job passed to the consumers in shared memory beside Q's barrier), so that a job's first loads overlap
+// the last one's products and output (a block of this size is alone on its SM: its start-up is not
+// hidden by another block's work) and the blocks finish together. 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives
 // up registers (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor,
 // tensor maps built on the host with cuTensorMapEncodeTiled, passed as __grid_constant__ kernel
 // parameters): per job Q's 128 rows (once q_empty says both consumers hold the last job's Q in
@@ -1525,8 +1526,10 @@ template <int D> struct TmaFwdShape {
     static constexpr int STAGES = D >= 128 ? KILN_ATTN_TMA_STAGES_D128 : KILN_ATTN_TMA_STAGES;
     static constexpr int Q_BYTES = SwTile<kTmaRows, D>::BYTES;
     static constexpr int KV_BYTES = SwTile<kTmaKeys, D>::BYTES;
-    // Q, then per stage K and V, then the mbarriers (q_full, q_empty, full[STAGES], empty[STAGES]).
+    // Q, then per stage K and V, then the mbarriers (q_full, q_empty, full[STAGES], empty[STAGES]), then
+    // the job the producer took (an int).
     static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
+    static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 + 2 * STAGES);
 };
 
 // A CUtensorMap: 128 opaque bytes, 64-byte aligned, passed by value as a __grid_constant__ parameter.
@@ -1596,14 +1599,18 @@ __device__ __forceinline__ void frag_load_a_smem(u32 (&a)[D / 16][4], u32 tile, 
 }
 
 // One job of a persistent block: query rows [m0, m0 + kTmaRows) of head bh (= b * n_h + h) against
-// its n_tiles key tiles. Jobs are numbered with the longest rows first (causal), heads inside.
+// its n_tiles key tiles. Job w is numbered by groups of `group` heads (the last group may be smaller),
+// inside a group with the longest rows first (causal), heads inside that: blocks take jobs in this
+// order as they free up, so a group's heads share K/V in L2 while the longest-first order keeps the
+// blocks' totals level.
 struct TmaJob {
     int bh, b, h, m0, n_tiles;
-    __device__ __forceinline__ TmaJob(int w, int n_bh, int n_mb, int n_h, int n_q, int n_k, int off) {
-        bh = w % n_bh;
+    __device__ __forceinline__ TmaJob(int w, int n_bh, int n_mb, int group, int n_h, int n_q, int n_k, int off) {
+        const int g0 = w / (group * n_mb) * group, size = min(group, n_bh - g0), r = w - g0 * n_mb;
+        bh = g0 + r % size;
         b = bh / n_h;
         h = bh % n_h;
-        m0 = (n_mb - 1 - w / n_bh) * kTmaRows;
+        m0 = (n_mb - 1 - r / size) * kTmaRows;
         const int k_end = min(n_k, min(m0 + kTmaRows, n_q) - 1 + off + 1);  // keys some row of the job sees
         n_tiles = (k_end - 1) / kTmaKeys + 1;
     }
@@ -1675,8 +1682,9 @@ __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0,
 template <typename T, int D, bool PingPong>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_fwd_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-                      const __grid_constant__ TmaMap v_map, T* __restrict__ out, float* __restrict__ lse, int n_q,
-                      int n_k, int off, int n_h, int n_bh, float scale, KILN_LAYOUT(o)) {
+                      const __grid_constant__ TmaMap v_map, T* __restrict__ out, float* __restrict__ lse,
+                      int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, int group, float scale,
+                      KILN_LAYOUT(o)) {
     constexpr int BN = kTmaKeys;
     using Shape = TmaFwdShape<D>;
     constexpr int S = Shape::STAGES;
@@ -1684,6 +1692,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const u32 base = align1024(dsmem);
     const u32 qs = base, ks = base + Shape::Q_BYTES, vs = ks + S * Shape::KV_BYTES;
     const u32 q_full = base + Shape::BAR_OFFSET, q_empty = q_full + 8, full = q_empty + 8, empty = full + 8 * S;
+    const u32 job_slot = base + Shape::JOB_OFFSET;
     const int n_mb = (n_q + kTmaRows - 1) / kTmaRows, n_work = n_mb * n_bh;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -1700,9 +1709,17 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
         if (threadIdx.x != 0) return;
         int kv = 0;  // K/V tiles loaded so far by this block: tile kv goes to stage kv % S, round kv / S
-        for (int w = blockIdx.x, job = 0; w < n_work; w += gridDim.x, ++job) {
-            const TmaJob jb(w, n_bh, n_mb, n_h, n_q, n_k, off);
-            mbar_wait(q_empty, (job & 1) ^ 1);  // both consumers hold the last job's Q in registers
+        for (int job = 0;; ++job) {
+            // the block's first job is its index (the grid is at most n_work blocks), the next ones from the ticket
+            const int w = job == 0 ? blockIdx.x : gridDim.x + atomicAdd(ticket, 1);
+            mbar_wait(q_empty, (job & 1) ^ 1);  // both consumers hold the last job's Q in registers (and read its w)
+            // w for the consumers: the arrive on q_full below releases it, their wait on q_full acquires it
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(job_slot), "r"(w) : "memory");
+            if (w >= n_work) {  // no jobs left: the consumers see w and stop
+                mbar_arrive(q_full);
+                return;
+            }
+            const TmaJob jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
             mbar_expect_tx(q_full, Shape::Q_BYTES);
             tma_tile<kTmaRows, D>(qs, q_map, jb.m0, jb.h, jb.b, q_full);
             for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
@@ -1713,7 +1730,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                 tma_tile<BN, D>(vs + s * Shape::KV_BYTES, v_map, it * BN, jb.h, jb.b, full + 8 * s);
             }
         }
-        return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4, g = lane >> 2, c = lane & 3;
@@ -1721,10 +1737,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const int me = wg - 1;  // consumer 0 (rows 0-63 of a job) or 1 (rows 64-127)
     if (PingPong && me == 1) named_arrive(kTmaTurnBarrier, 256);  // consumer 0 takes the first turn
     int kv = 0;  // K/V tiles consumed so far, in the producer's order
-    for (int w = blockIdx.x, job = 0; w < n_work; w += gridDim.x, ++job) {
-        const TmaJob jb(w, n_bh, n_mb, n_h, n_q, n_k, off);
-        const int row0 = jb.m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
+    for (int job = 0;; ++job) {
         mbar_wait(q_full, job & 1);
+        int w;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w) : "r"(job_slot) : "memory");
+        if (w >= n_work) break;
+        const TmaJob jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
+        const int row0 = jb.m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
         u32 qa[D / 16][4];
         frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
         // Q was read through the generic proxy and the producer's next TMA rewrites it through the async
