@@ -18,3 +18,19 @@ def test_sdpa_fwd_bwd_returns_the_gradients_and_leaves_grad_alone():
     torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(g)
     for got, again, leaf in zip(first, second, leaves):
         assert torch.equal(got, again) and torch.allclose(got, leaf.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_schedule_model_numbers_every_job_once_and_levels_the_blocks():
+    """attention_schedule's mirror of TmaJob's numbering gives each (head, row block) once, groups
+    included (the last one smaller), and the ticket never leaves a block more loaded than the static
+    stride did at the paper's shapes of many jobs."""
+    sched = load_benchmark("attention_schedule")
+    for n_bh, n_mb, group in ((192, 8, 66), (24, 128, 5), (7, 3, 2), (12, 8, 12)):
+        jobs = [sched.job(w, n_bh, n_mb, group) for w in range(n_bh * n_mb)]
+        assert sorted(jobs) == [(h, m) for h in range(n_bh) for m in range(n_mb)]
+        first = [m for _, m in jobs[:min(group, n_bh)]]
+        assert first == [n_mb - 1] * len(first)  # a group starts with its longest rows
+    for shape in ((16, 12, 1024, 64), (2, 12, 8192, 64), (2, 16, 8192, 128)):
+        row = sched.simulate(shape, 132, 0.5)
+        assert 1.0 <= row["ticket"] <= row["static"] and 1.0 <= row["grouped"] < row["static"]
+        assert row["grouped_heads"] <= row["static_heads"]
