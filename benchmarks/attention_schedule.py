@@ -8,8 +8,8 @@ is n_tiles + the overhead (Q's load and the output's store, in tiles). Three way
 - static: block i takes jobs i, i + SMs, ... numbered longest rows first, heads inside (the kernel
   until 38bfd1e);
 - ticket, one group: a block takes the next job as it frees up, in that same numbering;
-- ticket, head groups: the same, jobs numbered by groups of `tma_head_group` heads, longest rows
-  first inside a group (TmaJob, the kernel's order since 38bfd1e).
+- ticket, head groups: the same, jobs numbered by groups of `head_group` heads, longest rows
+  first inside a group (GroupedJob, the kernel's order since 38bfd1e; groups of even size since).
 
 Per shape and order: the most loaded block's cost against the mean (1.00 = level; the kernel takes
 as long as its most loaded block), and the distinct heads among the first SMs jobs (whose K/V the
@@ -31,47 +31,54 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from attention import SHAPES  # noqa: E402
 
-from kiln.backend.cuda.attention import TMA_KEYS, TMA_ROWS, tma_head_group  # noqa: E402
+from kiln.backend.cuda.attention import RESIDENT_BLOCKS, TC_ROWS, TMA_ROWS, head_group  # noqa: E402
 
 
-def job(w: int, n_bh: int, n_mb: int, group: int) -> tuple[int, int]:
-    """(head, row block) of job w, numbered as TmaJob numbers them."""
-    g0 = w // (group * n_mb) * group
+def job(w: int, n_bh: int, n_blocks: int, group: int) -> tuple[int, int]:
+    """(head, rank) of job w, numbered as GroupedJob numbers them (rank 0: the row block with the most tiles)."""
+    g0 = w // (group * n_blocks) * group
     size = min(group, n_bh - g0)
-    r = w - g0 * n_mb
-    return g0 + r % size, n_mb - 1 - r // size
+    r = w - g0 * n_blocks
+    return g0 + r % size, r // size
 
 
-def n_tiles(mb: int) -> int:
-    """Key tiles of causal row block mb (n_q = n_k, no offset)."""
-    return ((mb + 1) * TMA_ROWS - 1) // TMA_KEYS + 1
-
-
-def loads(order: list[tuple[int, int]], sms: int, overhead: float, ticket: bool) -> list[float]:
-    """Each block's total cost: jobs taken in order, by the block that frees first (ticket) or by index."""
+def loads(order: list[tuple[int, int]], n_blocks: int, slots: int, overhead: float, ticket: bool) -> list[float]:
+    """Each slot's total cost (a causal row block of rank r walks n_blocks - r tiles, square tiles): jobs
+    taken in order by the slot that frees first (a ticket, or the GPU's block dispatch) or by index."""
+    cost = [n_blocks - rank + overhead for _, rank in order]
     if not ticket:
-        tot = [0.0] * sms
-        for i, (_, mb) in enumerate(order):
-            tot[i % sms] += n_tiles(mb) + overhead
+        tot = [0.0] * slots
+        for i, c in enumerate(cost):
+            tot[i % slots] += c
         return tot
-    heap = [(0.0, i) for i in range(sms)]
-    for _, mb in order:
+    heap = [(0.0, i) for i in range(slots)]
+    for c in cost:
         t, i = heapq.heappop(heap)
-        heapq.heappush(heap, (t + n_tiles(mb) + overhead, i))
+        heapq.heappush(heap, (t + c, i))
     return [t for t, _ in heap]
 
 
 def simulate(shape, sms: int, overhead: float) -> dict:
+    """The TMA forward (128-row jobs, one block an SM) and the split kernels (64-row blocks, RESIDENT_BLOCKS an SM,
+    started in launch order) under each order."""
     b, h, t, _ = shape
-    n_bh, n_mb = b * h, -(-t // TMA_ROWS)
-    group = tma_head_group(n_bh, t, sms)
-    one = [job(w, n_bh, n_mb, n_bh) for w in range(n_bh * n_mb)]
-    grouped = [job(w, n_bh, n_mb, group) for w in range(n_bh * n_mb)]
-    mean = sum(n_tiles(mb) + overhead for _, mb in one) / min(sms, len(one))
-    row = {"shape": "x".join(map(str, shape)), "jobs": len(one), "group": group}
-    for name, order, ticket in (("static", one, False), ("ticket", one, True), ("grouped", grouped, True)):
-        row[name] = max(loads(order, sms, overhead, ticket)) / mean
-        row[name + "_heads"] = len({hd for hd, _ in order[:sms]})
+    n_bh = b * h
+    row = {"shape": "x".join(map(str, shape))}
+    for kernel, rows, slots, orders in (
+            ("fwd", TMA_ROWS, sms, (("static", 1, False), ("ticket", None, True), ("grouped", 0, True))),
+            ("split", TC_ROWS, RESIDENT_BLOCKS * sms, (("head-major", 1, True), ("grouped", 0, True)))):
+        n_blocks = -(-t // rows)
+        n = n_bh * n_blocks
+        group = head_group(n_bh, n_blocks, slots)
+        mean = sum(n_blocks - r + overhead for r in range(n_blocks)) * n_bh / min(slots, n)
+        row[f"{kernel}_group"] = group
+        for name, g, ticket in orders:
+            g = {None: n_bh, 0: group}.get(g, g)
+            if kernel == "fwd" and name == "static":
+                g = n_bh  # longest first, heads inside, block i taking jobs i, i + SMs, ...
+            order = [job(w, n_bh, n_blocks, g) for w in range(n)]
+            row[f"{kernel}_{name}"] = max(loads(order, n_blocks, slots, overhead, ticket)) / mean
+            row[f"{kernel}_{name}_heads"] = len({hd for hd, _ in order[:slots]})
     return row
 
 
@@ -82,14 +89,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = [simulate(s, args.sms, args.job_overhead) for s in SHAPES]
-    lines = [f"# attention_fwd_tma's job schedule, simulated ({args.sms} blocks, a job's overhead "
-             f"{args.job_overhead} tile)", "", "`python benchmarks/attention_schedule.py`: the most loaded block "
-             "against the mean (1.000 = level), and the distinct heads among the first jobs taken at once.", "",
-             "| B x H x T x D | jobs | heads a group | static | ticket, one group | ticket, head groups |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"# The attention kernels' job orders, simulated ({args.sms} SMs, a job's overhead {args.job_overhead} tile)",
+             "", "`python benchmarks/attention_schedule.py`: the most loaded block against the mean (1.000 = level), "
+             "and the distinct heads among the first jobs running at once.", "",
+             "attention_fwd_tma (128-row jobs, one block an SM):", "",
+             "| B x H x T x D | heads a group | static stride | ticket, one group | ticket, head groups |",
+             "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['jobs']} | {r['group']} | {r['static']:.3f} ({r['static_heads']} heads) | "
-                     f"{r['ticket']:.3f} ({r['ticket_heads']}) | {r['grouped']:.3f} ({r['grouped_heads']}) |")
+        lines.append(f"| {r['shape']} | {r['fwd_group']} | {r['fwd_static']:.3f} ({r['fwd_static_heads']} heads) | "
+                     f"{r['fwd_ticket']:.3f} ({r['fwd_ticket_heads']}) | {r['fwd_grouped']:.3f} ({r['fwd_grouped_heads']}) |")
+    lines += ["", f"The split tensor-core kernels (forward fallback, dK/dV, dQ: 64-row blocks, {RESIDENT_BLOCKS} an SM, "
+              "started in launch order):", "",
+              "| B x H x T x D | heads a group | head-major (before) | head groups |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['split_group']} | {r['split_head-major']:.3f} ({r['split_head-major_heads']} "
+                     f"heads) | {r['split_grouped']:.3f} ({r['split_grouped_heads']}) |")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     out = Path(args.out) if args.out else (ROOT / "benchmarks" / "results" / "attention" /

@@ -21,16 +21,17 @@ def test_sdpa_fwd_bwd_returns_the_gradients_and_leaves_grad_alone():
 
 
 def test_the_schedule_model_numbers_every_job_once_and_levels_the_blocks():
-    """attention_schedule's mirror of TmaJob's numbering gives each (head, row block) once, groups
-    included (the last one smaller), and the ticket never leaves a block more loaded than the static
-    stride did at the paper's shapes of many jobs."""
+    """attention_schedule's mirror of GroupedJob's numbering gives each (head, row block) once, groups
+    included (the last one smaller), each group starting with its longest rows; the ticket never leaves a
+    block more loaded than the static stride did, nor head groups than the split kernels' head-major order,
+    at the paper's shapes of many jobs."""
     sched = load_benchmark("attention_schedule")
-    for n_bh, n_mb, group in ((192, 8, 66), (24, 128, 5), (7, 3, 2), (12, 8, 12)):
-        jobs = [sched.job(w, n_bh, n_mb, group) for w in range(n_bh * n_mb)]
-        assert sorted(jobs) == [(h, m) for h in range(n_bh) for m in range(n_mb)]
-        first = [m for _, m in jobs[:min(group, n_bh)]]
-        assert first == [n_mb - 1] * len(first)  # a group starts with its longest rows
+    for n_bh, n_blocks, group in ((192, 8, 66), (24, 128, 5), (7, 3, 2), (12, 8, 12)):
+        jobs = [sched.job(w, n_bh, n_blocks, group) for w in range(n_bh * n_blocks)]
+        assert sorted(jobs) == [(h, r) for h in range(n_bh) for r in range(n_blocks)]
+        assert [r for _, r in jobs[:min(group, n_bh)]] == [0] * min(group, n_bh)
     for shape in ((16, 12, 1024, 64), (2, 12, 8192, 64), (2, 16, 8192, 128)):
         row = sched.simulate(shape, 132, 0.5)
-        assert 1.0 <= row["ticket"] <= row["static"] and 1.0 <= row["grouped"] < row["static"]
-        assert row["grouped_heads"] <= row["static_heads"]
+        assert 1.0 <= row["fwd_ticket"] <= row["fwd_static"] and 1.0 <= row["fwd_grouped"] < row["fwd_static"]
+        assert row["fwd_grouped_heads"] <= row["fwd_static_heads"]
+        assert 1.0 <= row["split_grouped"] < row["split_head-major"]

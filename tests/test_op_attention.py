@@ -508,15 +508,18 @@ def test_attention_fwd_tma_fits_in_shared_memory():
     assert all(tma_shared_bytes(d) <= 227 * 1024 for d in TMA_HEAD_DIMS)
 
 
-def test_attention_fwd_tma_groups_heads_by_the_jobs_a_block_takes():
-    """Head groups of about 4 jobs a block on 132 SMs: GPT-2's 192 heads at T 1024 (8 jobs a head) in
-    groups of 66, the last 60; at T 16384 (128 jobs a head) 5 heads; never fewer than 1 or more than all."""
-    from kiln.backend.cuda.attention import tma_head_group
-    assert tma_head_group(192, 1024, 132) == 66
-    assert tma_head_group(24, 16384, 132) == 5
-    assert tma_head_group(12, 1024, 132) == 12
-    assert tma_head_group(1, 65, 132) == 1
-    assert tma_head_group(4, 1 << 20, 132) == 1
+def test_attention_kernels_group_heads_by_the_jobs_a_block_takes():
+    """Head groups of about 4 jobs a running block, of even size: the TMA forward (132 blocks) at GPT-2's
+    192 heads and T 1024 (8 jobs a head) in 3 groups of 64; at T 16384 (128 jobs a head, 24 heads) 5 groups
+    of 5 (the last 4); the split kernels' 396 slots at 64-row blocks; never fewer than 1 or more than all."""
+    from kiln.backend.cuda.attention import head_group
+    assert head_group(192, 8, 132) == 64
+    assert head_group(24, 128, 132) == 5
+    assert head_group(192, 16, 396) == 96
+    assert head_group(12, 8, 132) == 12
+    assert head_group(1, 1, 132) == 1
+    assert head_group(4, 1 << 14, 132) == 1
+    assert head_group(5, 0, 132) == 5
 
 
 def test_tma_map_strides_of_packed_views_and_unit_axes():

@@ -86,9 +86,13 @@ TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer wa
 TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
 TMA_KEYS = 128  # keys per K/V tile (kTmaKeys)
 TMA_STAGES = {64: 4, 128: 3}  # K/V stages in shared memory (TmaFwdShape::STAGES)
-# attention_fwd_tma's jobs a block per head group (tma_head_group): simulated at the paper's shapes, 4 keeps
-# the most loaded block within 3% of the mean with 6-64 heads' K/V in flight; 1-2 lose 4-9%.
-TMA_GROUP_JOBS_PER_SM = 4
+# Jobs (row blocks) a resident block per head group (head_group): simulated at the paper's shapes
+# (benchmarks/attention_schedule.py), 4 keeps the most loaded block within 3% of the mean with few heads'
+# K/V in flight; 1-2 lose 4-9%.
+GROUP_JOBS_PER_SLOT = 4
+# Blocks an SM holds at once of the tensor-core kernels (forward, dK/dV, dQ; 2-3 by their registers): the
+# slots head_group sizes their groups for.
+RESIDENT_BLOCKS = 3
 # setmaxnreg's split of the block's registers: the producer warpgroup gives down to 24 a thread, the
 # consumers take 240; the pool is what ptxas gives the block at launch (384 x 168 = 128 x 24 + 256 x 240):
 # a consumer asking for more than the pool holds waits forever (tests/test_kernel_compile.py checks)
@@ -162,12 +166,22 @@ def tma_shared_bytes(d: int) -> int:
     return TMA_ROWS * d * 2 + 2 * stages * TMA_KEYS * d * 2 + 8 * (2 + 2 * stages) + 8 + 1024
 
 
-def tma_head_group(n_bh: int, n_q: int, sms: int) -> int:
-    """attention_fwd_tma's heads per job group: enough that a group holds about TMA_GROUP_JOBS_PER_SM
-    jobs a block (the blocks' totals stay level: longest first inside a group), few enough that the
-    heads whose K/V the blocks read at once stay in L2 (with no groups, 132 heads at 16x12x1024,
-    Nsight Compute counted 179 MB read from DRAM against 100 MB of operands)."""
-    return max(1, min(n_bh, cdiv(TMA_GROUP_JOBS_PER_SM * sms, cdiv(n_q, TMA_ROWS))))
+def head_group(n_bh: int, n_blocks: int, slots: int) -> int:
+    """Heads per job group of a kernel whose blocks take n_bh heads x n_blocks row blocks in GroupedJob's
+    order (attention.cu), `slots` blocks running at once: enough heads that a group holds about
+    GROUP_JOBS_PER_SLOT jobs a slot (the blocks finish together: longest first inside a group), few
+    enough that the heads whose operands the blocks read at once stay in L2 (with every head in one
+    group, 132 at 16x12x1024, Nsight Compute counted the forward's 179 MB read from DRAM against 100 MB
+    of operands); groups of even size, so that the last is not a short one whose longest jobs start late."""
+    group = max(1, min(n_bh, cdiv(GROUP_JOBS_PER_SLOT * slots, max(n_blocks, 1))))
+    return cdiv(n_bh, cdiv(n_bh, group))
+
+
+def _group(tc: bool, n_bh: int, n_blocks: int) -> tuple:
+    """The `group` argument of a tensor-core kernel's grid of n_blocks row blocks by n_bh heads (GroupedJob's
+    order); none for the float32 kernels, which keep the head-major order (at their 168 registers the job's
+    arithmetic spilled 16-68 bytes at D 32-64)."""
+    return (i32(head_group(n_bh, n_blocks, RESIDENT_BLOCKS * rt.sm_count())),) if tc else ()
 
 
 def _tensor_cores(t: str) -> bool:
@@ -295,7 +309,7 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
             get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}, {pingpong}>")(
                 (min(jobs, sms),), (TMA_THREADS,),
                 (*maps, out, lse, ticket, i32(n_q), i32(n_k), i32(off), i32(h), i32(b * h),
-                 i32(tma_head_group(b * h, n_q, sms)), f32(scale), *_args(_strides(out))),
+                 i32(head_group(b * h, cdiv(n_q, TMA_ROWS), sms)), f32(scale), *_args(_strides(out))),
                 shared_mem=tma_shared_bytes(d))
             return out, lse
     if tc:
@@ -304,7 +318,7 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
         name, bq, threads = f"attention_fwd<{t}, {d}>", block_rows(d)[0], F32_THREADS
     get_kernel("attention.cu", name)((cdiv(n_q, bq), b * h), (threads,),
                                      (q, k, v, out, lse, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale),
-                                      *_args(qs, kvs, _strides(out))))
+                                      *_args(qs, kvs, _strides(out)), *_group(tc, b * h, cdiv(n_q, bq))))
     return out, lse
 
 
@@ -354,9 +368,11 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     else:
         (_, bk, bq), suffix, threads = block_rows(d), "", F32_THREADS
     get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
-        (cdiv(n_k, bk), b * h), (threads,), (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs)))
+        (cdiv(n_k, bk), b * h), (threads,),
+        (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs), *_group(tc, b * h, cdiv(n_k, bk))))
     get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
-        (cdiv(n_q, bq), b * h), (threads,), (q, k, v, grad, lse, delta, dq, *common, *_args(dqs)))
+        (cdiv(n_q, bq), b * h), (threads,),
+        (q, k, v, grad, lse, delta, dq, *common, *_args(dqs), *_group(tc, b * h, cdiv(n_q, bq))))
     return _fill(into, (dq, dk, dv))
 
 

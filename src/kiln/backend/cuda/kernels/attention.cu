@@ -34,6 +34,34 @@ __device__ __forceinline__ long long head_offset(int bh, int n_h, long long sb, 
     return (long long)(bh / n_h) * sb + (long long)(bh % n_h) * sh;
 }
 
+// The order blocks take work in: job w of n_bh heads x n_blocks row blocks, numbered by groups of `group`
+// heads (the last group may be smaller), inside a group by rank (rank 0: the row block with the most
+// tiles to walk, which the kernel maps to its rows), heads inside a rank. The blocks of a group read the
+// same heads' operands close in time (L2), and the longest work of every group starts first, so the
+// blocks finish together: the launcher's head_group sizes the groups. Every (head, row block) once.
+struct GroupedJob {
+    int bh, rank;
+    __device__ __forceinline__ GroupedJob(int w, int n_bh, int n_blocks, int group) {
+        const int g0 = w / (group * n_blocks) * group, size = min(group, n_bh - g0), r = w - g0 * n_blocks;
+        bh = g0 + r % size;
+        rank = r / size;
+    }
+};
+
+// This block's job in a grid of gridDim.x row blocks by gridDim.y heads: the GPU starts blocks in the
+// order of their linear index (x fastest), so that index is the job number.
+// The indices are read with asm volatile, so that every call reads them afresh: a kernel asks again after
+// its main loop rather than keep the job in registers across it (ptxas rematerialises blockIdx itself,
+// not arithmetic on it: dQ at D = 64 spilled 12 bytes with the job kept).
+__device__ __forceinline__ GroupedJob grid_job(int group) {
+    unsigned int x, y, nx, ny;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(nx));
+    asm volatile("mov.u32 %0, %%nctaid.y;\n" : "=r"(ny));
+    return GroupedJob((int)(x + y * nx), (int)ny, (int)nx, group);
+}
+
 // ---- Asynchronous global -> shared copies (cp.async), used by every kernel of this file ------
 
 using u32 = unsigned int;  // NVRTC has no <cstdint>
@@ -962,16 +990,17 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     attention_fwd_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
                      float* __restrict__ lse, int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q),
-                     KILN_LAYOUT(kv), KILN_LAYOUT(o)) {
+                     KILN_LAYOUT(kv), KILN_LAYOUT(o), int group) {
+    const GroupedJob jb = grid_job(group);
     constexpr int BN = TcShape<D>::fwd_k;
     using Tile = SwTile<BN, D>;
     __shared__ __align__(1024) unsigned char smem[4 * Tile::BYTES + 1024];  // K[2], V[2]
     const u32 ks = align1024(smem), vs = ks + 2 * Tile::BYTES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     // k + base, v + base each time (not offset pointers kept live): at D = 64 every register counts
-    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
+    const long long base = head_offset(jb.bh, n_h, kv_sb, kv_sh);
     const int ld_kv = (int)kv_st;
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;  // the longest rows first
+    const int m0 = (gridDim.x - 1 - jb.rank) * kTcRows;  // the longest rows first
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
     const int k_end = min(n_k, min(m0 + kTcRows, n_q) - 1 + off + 1);  // keys some row of the block sees
@@ -985,7 +1014,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     tile_async<BN, D>(vs, v + base, ld_kv, 0, n_k);
     cp_async_commit();  // K(1), V(0)
     u32 qa[D / 16][4];
-    frag_load_a<T, D>(qa, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
+    frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
     float o[D / 8][4];
     zero_acc(o);
     float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f;
@@ -1071,10 +1100,11 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
     }
-    frag_store<T, D, true>(out + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, o, row0, n_q, 1.0f / l_lo,
+    const GroupedJob tail = grid_job(group);  // read afresh, not kept across the loop
+    frag_store<T, D, true>(out + head_offset(tail.bh, n_h, o_sb, o_sh), (int)o_st, o, row0, n_q, 1.0f / l_lo,
                            1.0f / l_hi);
     if (c == 0) {
-        const long long lb = (long long)blockIdx.y * n_q;
+        const long long lb = (long long)tail.bh * n_q;
         if (r_lo < n_q) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
         if (r_hi < n_q) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
     }
@@ -1087,7 +1117,8 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attenti
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
     int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o),
-    KILN_LAYOUT(dkv)) {
+    KILN_LAYOUT(dkv), int group) {
+    const GroupedJob jb = grid_job(group);
     constexpr int BQ = TcShape<D>::dkdv_q;
     using Tile = SwTile<BQ, D>;
     __shared__ __align__(1024) unsigned char smem[4 * Tile::BYTES + 1024];  // Q[2], dO[2]
@@ -1095,18 +1126,18 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attenti
     __shared__ __align__(16) float Ds[2][BQ];
     const u32 qs = align1024(smem), gs = qs + 2 * Tile::BYTES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    q += head_offset(blockIdx.y, n_h, q_sb, q_sh);
-    const long long kvbase = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
+    q += head_offset(jb.bh, n_h, q_sb, q_sh);
+    const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
     k += kvbase;
     v += kvbase;
-    grad += head_offset(blockIdx.y, n_h, o_sb, o_sh);
-    const long long gbase = head_offset(blockIdx.y, n_h, dkv_sb, dkv_sh);
+    grad += head_offset(jb.bh, n_h, o_sb, o_sh);
+    const long long gbase = head_offset(jb.bh, n_h, dkv_sb, dkv_sh);
     dk += gbase;
     dv += gbase;
-    lse += (long long)blockIdx.y * n_q;
-    delta += (long long)blockIdx.y * n_q;
+    lse += (long long)jb.bh * n_q;
+    delta += (long long)jb.bh * n_q;
     const int ld_q = (int)q_st, ld_o = (int)o_st;
-    const int n0 = blockIdx.x * kTcRows;  // the first key blocks walk the most query tiles: launched first
+    const int n0 = jb.rank * kTcRows;  // the first key blocks walk the most query tiles: rank 0
     const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
     const float sl2 = scale * kLog2e;
     const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
@@ -1187,19 +1218,20 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention_bwd_dq_tc(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ grad,
     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, int n_q, int n_k, int off,
-    int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq)) {
+    int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dq), int group) {
+    const GroupedJob jb = grid_job(group);
     constexpr int BN = TcShape<D>::dq_k;
     using Tile = SwTile<BN, D>;
     __shared__ __align__(1024) unsigned char smem[4 * Tile::BYTES + 1024];  // K[2], V[2]
     const u32 ks = align1024(smem), vs = ks + 2 * Tile::BYTES;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const long long kvbase = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
+    const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
     k += kvbase;
     v += kvbase;
-    lse += (long long)blockIdx.y * n_q;
-    delta += (long long)blockIdx.y * n_q;
+    lse += (long long)jb.bh * n_q;
+    delta += (long long)jb.bh * n_q;
     const int ld_kv = (int)kv_st;
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * kTcRows;
+    const int m0 = (gridDim.x - 1 - jb.rank) * kTcRows;  // the longest rows first
     const int row0 = m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
     const float sl2 = scale * kLog2e;
     const int k_end = min(n_k, min(m0 + kTcRows, n_q) - 1 + off + 1);  // keys some row of the block sees
@@ -1207,8 +1239,8 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
     tile2_async<BN, D>(ks, k, vs, v, ld_kv, 0, n_k);
     cp_async_commit();
     u32 qa[D / 16][4], ga[D / 16][4];
-    frag_load_a<T, D>(qa, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
-    frag_load_a<T, D>(ga, grad + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
+    frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
+    frag_load_a<T, D>(ga, grad + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
     const float lse_lo = r_lo < n_q ? lse[r_lo] * kLog2e : 0.0f;
     const float lse_hi = r_hi < n_q ? lse[r_hi] * kLog2e : 0.0f;
     const float dl_lo = r_lo < n_q ? delta[r_lo] : 0.0f;
@@ -1256,7 +1288,8 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
         c_to_a<T, BN>(da, ds);
         wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);
     }
-    frag_store<T, D>(dq + head_offset(blockIdx.y, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
+    const GroupedJob tail = grid_job(group);  // read afresh, not kept across the loop
+    frag_store<T, D>(dq + head_offset(tail.bh, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
 }
 
 // ---- The fused backward: dK, dV and dQ in one kernel, dQ added in any order --------------------
@@ -1640,18 +1673,15 @@ __device__ __forceinline__ void frag_load_a_smem(u32 (&a)[D / 16][4], u32 tile, 
 }
 
 // One job of a persistent block: query rows [m0, m0 + kTmaRows) of head bh (= b * n_h + h) against
-// its n_tiles key tiles. Job w is numbered by groups of `group` heads (the last group may be smaller),
-// inside a group with the longest rows first (causal), heads inside that: blocks take jobs in this
-// order as they free up, so a group's heads share K/V in L2 while the longest-first order keeps the
-// blocks' totals level.
+// its n_tiles key tiles; job w in GroupedJob's order (rank 0: the last rows, which see the most keys).
 struct TmaJob {
     int bh, b, h, m0, n_tiles;
     __device__ __forceinline__ TmaJob(int w, int n_bh, int n_mb, int group, int n_h, int n_q, int n_k, int off) {
-        const int g0 = w / (group * n_mb) * group, size = min(group, n_bh - g0), r = w - g0 * n_mb;
-        bh = g0 + r % size;
+        const GroupedJob jb(w, n_bh, n_mb, group);
+        bh = jb.bh;
         b = bh / n_h;
         h = bh % n_h;
-        m0 = (n_mb - 1 - r / size) * kTmaRows;
+        m0 = (n_mb - 1 - jb.rank) * kTmaRows;
         const int k_end = min(n_k, min(m0 + kTmaRows, n_q) - 1 + off + 1);  // keys some row of the job sees
         n_tiles = (k_end - 1) / kTmaKeys + 1;
     }
