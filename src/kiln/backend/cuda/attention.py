@@ -94,9 +94,9 @@ TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer wa
 TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
 TMA_KEYS = 128  # keys per K/V tile (kTmaKeys)
 TMA_STAGES = {64: 4, 128: 3}  # K/V stages in shared memory (TmaFwdShape::STAGES)
-# Jobs (row blocks) a resident block per head group (head_group): 4 keeps the most loaded block within 3.1%
-# of the mean at the paper's shapes of more jobs than SMs, simulated (benchmarks/attention_schedule.py), with 5-128 heads' K/V in
-# flight in the TMA forward.
+# Jobs (row blocks) a resident block per head group (head_group): 4 keeps the most loaded block within
+# 3.1% of the mean at the paper's shapes of more jobs than SMs, simulated (benchmarks/attention_schedule.py),
+# with 5-128 heads' K/V in flight in the TMA forward.
 GROUP_JOBS_PER_SLOT = 4
 # Blocks an SM holds at once of the tensor-core kernels (forward, dK/dV, dQ; 2-3 by their registers): the
 # slots head_group sizes their groups for.
