@@ -1561,10 +1561,10 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __res
 // frees up: its first is its index, each next one from a ticket counter (atomicAdd by the producer, the
 // job passed to the consumers in shared memory beside Q's barrier), so that a job's first loads overlap
 // the last one's products and output (a block of this size is alone on its SM: its start-up is not
-// hidden by another block's work) and the blocks finish together. 384 threads = three warpgroups. Warpgroup 0 is the producer: it gives
-// up registers (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor,
-// tensor maps built on the host with cuTensorMapEncodeTiled, passed as __grid_constant__ kernel
-// parameters): per job Q's 128 rows (once q_empty says both consumers hold the last job's Q in
+// hidden by another block's work) and the blocks finish together. 384 threads = three warpgroups.
+// Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec to kTmaProducerRegs) and one
+// thread issues the TMA loads (cp.async.bulk.tensor, tensor maps built on the host with
+// cuTensorMapEncodeTiled, passed as __grid_constant__ kernel parameters): per job Q's 128 rows (once q_empty says both consumers hold the last job's Q in
 // registers), then K and V tiles of BN = 128 keys into a ring of STAGES shared-memory stages, the
 // ring's position carried from job to job. Warpgroups 1 and 2 are the consumers (setmaxnreg.inc to
 // kTmaConsumerRegs), 64 query rows each, Q's A fragments read once from shared memory. Iteration
