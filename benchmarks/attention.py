@@ -1,6 +1,7 @@
 """kiln's attention kernels against PyTorch SDPA on the same GPU, in one process, at the paper's shapes.
 
-    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--fwd wgmma,tma] [--bwd split,fused-bulk] [--out FILE]
+    python benchmarks/attention.py [--iters 20] [--dtypes bf16] [--fwd wgmma,tma] [--bwd split,fused-bulk]
+                                   [--shapes 16x12x1024x64,...] [--ops fwd,bwd,fwd+bwd] [--out FILE]
 
 Causal attention, forward and forward+backward, per B x H x T x D (Appendix B.1-B.2: B x H x D
 from 1x12x64 to 16x12x64, 8x16x64, 4x32x128; T from 512 to 16384, 16384 tokens a batch on the
@@ -13,7 +14,9 @@ choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel nam
 SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, or fused-bulk;
 KILN_ATTENTION_DKDV_TILES, read at import, sets the dK/dV kernel's tiles and is recorded in each row);
 rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
-half: forward 4 B H T^2 D / 2, backward 2.5x that. Prints a table and writes benchmarks/results/attention/attention-<date>.json (or --out).
+half: forward 4 B H T^2 D / 2, backward 2.5x that. --shapes and --ops narrow the run (an A/B of one kernel
+need not pay for the others' timings). Prints a table and writes
+benchmarks/results/attention/attention-<date>.json (or --out).
 """
 
 from __future__ import annotations
@@ -42,9 +45,31 @@ SHAPES = [  # (B, H, T, D)
     (2, 16, 8192, 128),
 ]
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
+OPS = ("fwd", "bwd", "fwd+bwd")
 
 
-def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """The shapes of "BxHxTxD,..." (empty: the paper's, SHAPES); ValueError names what is not one."""
+    if not text:
+        return list(SHAPES)
+    shapes = []
+    for part in text.split(","):
+        dims = part.strip().lower().split("x")
+        if len(dims) != 4 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise ValueError(f"a shape is B x H x T x D as four positive integers, e.g. 16x12x1024x64; got {part!r}")
+        shapes.append(tuple(int(d) for d in dims))
+    return shapes
+
+
+def parse_ops(text: str) -> tuple[str, ...]:
+    """The ops of "fwd,bwd,fwd+bwd" (any of them, in OPS' order); ValueError names what is not one."""
+    ops = {o.strip() for o in text.split(",") if o.strip()}
+    if not ops or ops - set(OPS):
+        raise ValueError(f"--ops takes some of {', '.join(OPS)}; got {text!r}")
+    return tuple(o for o in OPS if o in ops)
+
+
+def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels, ops=OPS):
     import torch
     import torch.nn.functional as F
     b, h, t, d = shape
@@ -69,7 +94,7 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
 
     rows = []
     t_fwd = graph_ms(torch_fwd, iters, "torch")
-    t_fwd_bwd = graph_ms(torch_fwd_bwd, iters, "torch")
+    t_fwd_bwd = graph_ms(torch_fwd_bwd, iters, "torch") if set(ops) - {"fwd"} else float("nan")
     # bwd: kiln's backward alone (from one forward's out and lse) against SDPA's fwd+bwd minus its fwd
     for op, kfn, tms, flops, kernels in (
             ("fwd", lambda: k.attention_fwd(q, kk, v, scale), t_fwd, flops_fwd,
@@ -78,6 +103,8 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels):
              [(None, b_) for b_ in bwd_kernels]),
             ("fwd+bwd", kiln_fwd_bwd, t_fwd_bwd, 3.5 * flops_fwd,
              [(f, b_) for f in fwd_kernels for b_ in bwd_kernels])):
+        if op not in ops:
+            continue
         for fwd_kernel, bwd_kernel in kernels:
             if fwd_kernel:
                 os.environ["KILN_ATTENTION_FWD"] = fwd_kernel
@@ -103,8 +130,14 @@ def main(argv=None) -> int:
     p.add_argument("--fwd", default="tma-pingpong",
                    help="comma-separated bf16/fp16 forward kernels: tma-pingpong,tma,wgmma")
     p.add_argument("--bwd", default="split", help="comma-separated bf16/fp16 backwards: split,fused-bulk")
+    p.add_argument("--shapes", default="", help="comma-separated BxHxTxD (default: the paper's shapes)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ",".join(OPS))
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
     args = p.parse_args(argv)
+    try:
+        shapes, ops = parse_shapes(args.shapes), parse_ops(args.ops)
+    except ValueError as e:
+        p.error(str(e))
     k, torch = kiln_and_torch()
     if k is None:
         return 2
@@ -112,8 +145,9 @@ def main(argv=None) -> int:
           f"{'ratio':>7s}  (TFLOP/s; ratio = sdpa ms / kiln ms)")
     rows = []
     for name in args.dtypes.split(","):
-        for shape in SHAPES:
-            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","), args.bwd.split(","))
+        for shape in shapes:
+            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","), args.bwd.split(","),
+                                ops)
     write_rows("attention", torch, args, rows)
     return 0
 

@@ -1,6 +1,8 @@
-"""The attention benchmarks' PyTorch side: SDPA's forward+backward returns its gradients, as kiln's
-backward does, and never adds them into .grad (that cost three elementwise kernels a call, timed as SDPA's)."""
+"""The attention benchmarks' arithmetic: SDPA's forward+backward returns its gradients, as kiln's backward
+does, and never adds them into .grad (that cost three elementwise kernels a call, timed as SDPA's); the
+schedule model's job numbering; attention.py's --shapes and --ops."""
 
+import pytest
 import torch
 
 from tests.benchmark_support import load_benchmark
@@ -35,3 +37,16 @@ def test_the_schedule_model_numbers_every_job_once_and_levels_the_blocks():
         assert 1.0 <= row["fwd_ticket"] <= row["fwd_static"] and 1.0 <= row["fwd_grouped"] < row["fwd_static"]
         assert row["fwd_grouped_heads"] <= row["fwd_static_heads"]
         assert 1.0 <= row["split_grouped"] < row["split_head-major"]
+
+
+def test_attention_benchmark_narrows_to_the_shapes_and_ops_asked_and_refuses_others():
+    bench = load_benchmark("attention")
+    assert bench.parse_shapes("") == list(bench.SHAPES)
+    assert bench.parse_shapes("16x12x1024x64, 2X16X8192X128") == [(16, 12, 1024, 64), (2, 16, 8192, 128)]
+    assert bench.parse_ops("fwd+bwd,fwd") == ("fwd", "fwd+bwd")
+    for bad in ("16x12x1024", "16x12x0x64", "axbxcxd"):
+        with pytest.raises(ValueError, match="four positive integers"):
+            bench.parse_shapes(bad)
+    for bad in ("", "fwd,back"):
+        with pytest.raises(ValueError, match="--ops takes some of"):
+            bench.parse_ops(bad)
