@@ -64,18 +64,17 @@ def simulate(shape, sms: int, overhead: float) -> dict:
     b, h, t, _ = shape
     n_bh = b * h
     row = {"shape": "x".join(map(str, shape))}
+    # (name, heads a group: "all" in one, "one" a group (head-major), or head_group's; a ticket or a static stride)
     for kernel, rows, slots, orders in (
-            ("fwd", TMA_ROWS, sms, (("static", 1, False), ("ticket", None, True), ("grouped", 0, True))),
-            ("split", TC_ROWS, RESIDENT_BLOCKS * sms, (("head-major", 1, True), ("grouped", 0, True)))):
+            ("fwd", TMA_ROWS, sms, (("static", "all", False), ("ticket", "all", True), ("grouped", "rule", True))),
+            ("split", TC_ROWS, RESIDENT_BLOCKS * sms, (("head-major", "one", True), ("grouped", "rule", True)))):
         n_blocks = -(-t // rows)
         n = n_bh * n_blocks
         group = head_group(n_bh, n_blocks, slots)
         mean = sum(n_blocks - r + overhead for r in range(n_blocks)) * n_bh / min(slots, n)
         row[f"{kernel}_group"] = group
-        for name, g, ticket in orders:
-            g = {None: n_bh, 0: group}.get(g, g)
-            if kernel == "fwd" and name == "static":
-                g = n_bh  # longest first, heads inside, block i taking jobs i, i + SMs, ...
+        for name, heads, ticket in orders:
+            g = {"all": n_bh, "one": 1, "rule": group}[heads]
             order = [job(w, n_bh, n_blocks, g) for w in range(n)]
             row[f"{kernel}_{name}"] = max(loads(order, n_blocks, slots, overhead, ticket)) / mean
             row[f"{kernel}_{name}_heads"] = len({hd for hd, _ in order[:slots]})
