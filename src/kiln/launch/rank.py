@@ -4,7 +4,7 @@ The supervisor (supervisor.py) serves the per-job store; each rank it started fi
 KILN_LAUNCH_STORE and writes, under keys of its attempt:
 
     launch/hb/<attempt>/<rank>        {"step", "time", "phase", "step_s", "loss", "grad_norm"}
-    launch/error/<attempt>/<rank>     {"class", "step", "evidence"}: why this rank is exiting
+    launch/error/<attempt>/<rank>     {"class", "step", "evidence", "time"}: why this rank is exiting
     launch/incident/<attempt>/<rank>/<n>  a bad step handled in place (skipped or rolled back)
     launch/aborted/<attempt>/<rank>   {"time", "communicators"}: this rank obeyed the abort
 
@@ -140,7 +140,8 @@ class RankAgent:
         else:
             cls, evidence = classify_exception(e), f"{type(e).__name__}: {e}"
         try:
-            self.store.set(self._key("error"), json.dumps({"class": cls, "step": step, "evidence": evidence}))
+            self.store.set(self._key("error"), json.dumps({"class": cls, "step": step, "evidence": evidence,
+                                                        "time": time.time()}))
         except Exception:  # the store is gone: the exit status still tells the supervisor
             pass
 

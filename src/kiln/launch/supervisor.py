@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kiln.checkpoint.format import SUFFIX
 from kiln.errors import ConfigError, NotBuiltError
+from kiln.launch.exit_order import ExitOrder
 from kiln.launch.health import Health
 from kiln.launch.incidents import CLASSES, Incident, IncidentLog, describe_exit
 from kiln.launch.rank import BAD_STEP_POLICIES
@@ -184,6 +185,7 @@ class Supervisor:
         self.health = Health(self.run_dir / "health.jsonl", config.prometheus_port, self.say)
         self._stop: int | None = None
         self._procs: dict[int, subprocess.Popen] = {}
+        self._exit_order: ExitOrder | None = None  # under mpiexec: the order the ranks' processes ended
         self.attempt = 0
 
     def say(self, msg: str) -> None:
@@ -278,12 +280,19 @@ class Supervisor:
 
     def _spawn_mpi(self, gpus) -> None:
         """The node's ranks as one `mpiexec -n nproc` (MPI connects them); each rank appends its
-        output to its own log (PMI_RANK names it), mpiexec's own goes to logs/mpiexec.log."""
+        output to its own log (PMI_RANK names it) and its pid to logs/rank-R.pid, which the exit
+        order watches (kiln.launch.exit_order); mpiexec's own output goes to logs/mpiexec.log."""
         c = self.config
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
         if mpiexec is None:
             raise ConfigError("kiln launch --mpi needs mpiexec: pip install 'kiln[dist]' (mpi4py, mpich)")
-        per_rank = 'exec "$@" >> "$KILN_RUN_DIR/logs/rank-$PMI_RANK.log" 2>&1'
+        pid_files = {rank: self.run_dir / "logs" / f"rank-{rank}.pid" for rank in self.ranks}
+        for path in pid_files.values():
+            path.unlink(missing_ok=True)
+        if ExitOrder.available:
+            self._exit_order = ExitOrder(pid_files)
+        per_rank = ('echo $$ > "$KILN_RUN_DIR/logs/rank-$PMI_RANK.pid"; '
+                    'exec "$@" >> "$KILN_RUN_DIR/logs/rank-$PMI_RANK.log" 2>&1')
         command = [mpiexec, "-n", str(c.nproc), "sh", "-c", per_rank, "sh", *c.command]
         with open(self.run_dir / "logs" / "mpiexec.log", "ab") as log:
             log.write(f"=== attempt {self.attempt} ===\n".encode())
@@ -292,14 +301,29 @@ class Supervisor:
                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                       start_new_session=True, preexec_fn=_bind_to_parent)
 
-    def _mpi_dead_rank(self, beats: dict[int, dict]) -> tuple[int | None, str]:
-        """(rank, evidence) of the rank mpiexec reports as terminated badly, matched by its pid."""
+    def _mpi_dead_rank(self, beats: dict[int, dict], reports: dict[int, dict]) -> tuple[int | None, str]:
+        """(rank, evidence) of the rank whose process ended first without finishing, from the exit
+        order, if it ended before any rank reported a failure (a rank that reports and then calls
+        MPI_Abort has mpiexec kill every rank, in no particular order); with mpiexec's report of the
+        first bad termination where it names the same rank (its report goes in rank order; see
+        exit_order). Without an exit order, mpiexec's report."""
         text = (self.run_dir / "logs" / "mpiexec.log").read_text(errors="replace").rsplit("=== attempt", 1)[-1]
         pids = {hb.get("pid"): r for r, hb in beats.items()}
-        for pid, code in re.findall(r"PID (\d+) RUNNING AT .*?EXIT CODE: (\d+)", text, re.S):
-            if int(pid) in pids:
-                return pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}"
-        return None, ""
+        reported = [(pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}")
+                    for pid, code in re.findall(r"PID (\d+) RUNNING AT .*?EXIT CODE: (\d+)", text, re.S)
+                    if int(pid) in pids]
+        if self._exit_order is None:
+            return reported[0] if reported else (None, "")
+        reported_at = min((rec.get("time", float("inf")) for rec in reports.values()), default=float("inf"))
+        ended = {r: status for r, (status, at) in self._exit_order.ended().items()
+                 if beats.get(r, {}).get("phase") != "finish" and at < reported_at}
+        if not ended:
+            return None, ""
+        rank, status = next(iter(ended.items()))
+        how = "status already reaped" if status is None else describe_exit(status)
+        later = [r for r in ended if r != rank]
+        evidence = f"its process ended first ({how})" + (f", then rank(s) {later}'s" if later else "")
+        return rank, "; ".join([evidence, *(text for r, text in reported if r == rank)])
 
     def _kill_gang(self, graceful: bool, reason: str | None = None) -> str | None:
         """Every child and its process group gone: SIGTERM first when graceful (the ranks save and
@@ -329,6 +353,9 @@ class Supervisor:
         for p in self._procs.values():
             p.wait()
         self._procs = {}
+        if self._exit_order is not None:
+            self._exit_order.stop()
+            self._exit_order = None
         return teardown
 
     def _wait_for_exit(self, seconds: float) -> None:
@@ -451,7 +478,7 @@ class Supervisor:
         reports = {r: rec for r in self.ranks if (rec := self._record(f"launch/error/{self.attempt}/{r}"))}
         own = [r for r, rec in reports.items() if rec["class"] != "collective_failure"]
         silent = [r for r in failed if isinstance(r, int) and r not in reports]
-        mpi_rank, mpi_text = self._mpi_dead_rank(beats) if "mpiexec" in failed else (None, "")
+        mpi_rank, mpi_text = self._mpi_dead_rank(beats, reports) if "mpiexec" in failed else (None, "")
         if own:
             rank = own[0]
         elif silent or (mpi_rank is not None and mpi_rank not in reports):
