@@ -1,5 +1,5 @@
-"""kiln.launch.exit_order: which of a gang's processes (not the watcher's children, under mpiexec)
-ended first, however close together they end."""
+"""kiln.launch.exit_order: which of a gang's processes ended first, however close together they
+end, whether the pid is known (the supervisor's children) or comes in a file (mpiexec's ranks)."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def _wait_for(condition, timeout=10.0):
 
 def test_the_rank_that_dies_first_is_first_even_when_the_next_dies_milliseconds_later(tmp_path):
     procs = [_sleeper() for _ in range(3)]
-    files = {rank: tmp_path / f"rank-{rank}.pid" for rank in range(3)}
-    order = ExitOrder(files)
+    files = {rank: tmp_path / f"rank-{rank}.pid" for rank in (1, 2)}
+    order = ExitOrder({0: procs[0].pid, **files})  # rank 0's pid known, the others' written when they start
     try:
-        for rank, p in enumerate(procs):
-            files[rank].write_text(f"{p.pid}\n")
+        for rank in (1, 2):
+            files[rank].write_text(f"{procs[rank].pid}\n")
         time.sleep(0.05)  # the watcher has opened every pidfd
         assert order.ended() == {}
         procs[2].kill()

@@ -1,12 +1,13 @@
-"""The order in which a gang's rank processes end, for ranks the supervisor did not start itself.
+"""The order in which a gang's rank processes end.
 
-Under `mpiexec` the ranks are children of hydra's proxy, not of the supervisor, and when one rank
-dies the proxy kills the others within milliseconds; mpiexec then reports the first bad exit in
-*rank* order, which can be a rank it killed rather than the one that died (seen on a loaded
-2-core machine: rank 1 SIGKILLed, rank 0 killed by the proxy 8 ms later, mpiexec named rank 0).
-The supervisor's 0.1 s poll cannot tell the two apart either. Here a thread waits on a pidfd of
-each rank's process (readable the moment it exits, child or not) and keeps the order in which
-they ended, each with its wait status when its zombie still showed it and the time it was seen.
+When one rank dies its peers are killed after it: under `mpiexec` by hydra's proxy within
+milliseconds, without it by kiln's PMI servers within ABORT_POLL_S. mpiexec then reports the first
+bad exit in *rank* order, which can be a rank it killed rather than the one that died (seen on a
+loaded 2-core machine: rank 1 SIGKILLed, rank 0 killed by the proxy 8 ms later, mpiexec named
+rank 0), and the supervisor's 0.1 s poll can see both gone at once. Here a thread waits on a pidfd
+of each rank's process (readable the moment it exits, the supervisor's child or not: under
+mpiexec the ranks are the proxy's) and keeps the order in which they ended, each with its wait
+status where its zombie still showed it, and the time it was seen.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ def process_status(pid: int) -> tuple[bool, int | None]:
 
 
 class ExitOrder:
-    """Watches the processes whose pids the ranks leave in `pid_files` (rank -> path; a rank's file
-    appears when it starts). `ended()` is every rank whose process has ended, first to end first,
-    as rank -> (wait status or None when already reaped, time.time() when seen). Needs
+    """Watches each rank's process: `pids` is rank -> its pid, or the file it will write its pid to
+    when it starts (mpiexec's ranks). `ended()` is every rank whose process has ended, first to end
+    first, as rank -> (wait status, or None when already reaped; time.time() when seen). Needs
     os.pidfd_open (Linux 5.3)."""
 
     available = hasattr(os, "pidfd_open")
 
-    def __init__(self, pid_files: dict[int, Path]):
-        self.pid_files = dict(pid_files)
+    def __init__(self, pids: dict[int, int | Path]):
+        self.pids = dict(pids)
         self._ended: dict[int, tuple[int | None, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-exit-order", daemon=True)
@@ -60,11 +61,11 @@ class ExitOrder:
         poller, watched = select.poll(), {}  # pidfd -> (rank, pid)
         try:
             while not self._stop.is_set():
-                for rank, path in self.pid_files.items():
+                for rank, source in self.pids.items():
                     if rank in self._ended or rank in {r for r, _ in watched.values()}:
                         continue
                     try:
-                        pid = int(path.read_text())
+                        pid = source if isinstance(source, int) else int(source.read_text())
                     except (OSError, ValueError):
                         continue  # not started yet (or the pid half written)
                     try:
@@ -74,7 +75,7 @@ class ExitOrder:
                         continue
                     poller.register(fd, select.POLLIN)
                     watched[fd] = (rank, pid)
-                known = len(watched) + len(self._ended) == len(self.pid_files)
+                known = len(watched) + len(self._ended) == len(self.pids)
                 ready = [(fd, *watched[fd]) for fd, _ in poller.poll(100 if known else RESCAN_S * 1000)]
                 for fd, rank, pid in sorted(ready, key=lambda r: r[1]):  # ties (one wake-up): rank order
                     self._ended[rank] = process_status(pid)[1], time.time()

@@ -185,7 +185,7 @@ class Supervisor:
         self.health = Health(self.run_dir / "health.jsonl", config.prometheus_port, self.say)
         self._stop: int | None = None
         self._procs: dict[int, subprocess.Popen] = {}
-        self._exit_order: ExitOrder | None = None  # under mpiexec: the order the ranks' processes ended
+        self._exit_order: ExitOrder | None = None  # the order the ranks' processes ended
         self.attempt = 0
 
     def say(self, msg: str) -> None:
@@ -277,11 +277,13 @@ class Supervisor:
                 raise ConfigError(f"kiln launch cannot start {c.command[0]!r}: {e}") from None
             finally:
                 log.close()
+        if ExitOrder.available:
+            self._exit_order = ExitOrder({rank: p.pid for rank, p in self._procs.items()})
 
     def _spawn_mpi(self, gpus) -> None:
         """The node's ranks as one `mpiexec -n nproc` (MPI connects them); each rank appends its
-        output to its own log (PMI_RANK names it) and its pid to logs/rank-R.pid, which the exit
-        order watches (kiln.launch.exit_order); mpiexec's own output goes to logs/mpiexec.log."""
+        output to its own log (PMI_RANK names it) and its pid to logs/rank-R.pid, for the exit
+        order (kiln.launch.exit_order); mpiexec's own output goes to logs/mpiexec.log."""
         c = self.config
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
         if mpiexec is None:
@@ -301,29 +303,14 @@ class Supervisor:
                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                       start_new_session=True, preexec_fn=_bind_to_parent)
 
-    def _mpi_dead_rank(self, beats: dict[int, dict], reports: dict[int, dict]) -> tuple[int | None, str]:
-        """(rank, evidence) of the rank whose process ended first without finishing, from the exit
-        order, if it ended before any rank reported a failure (a rank that reports and then calls
-        MPI_Abort has mpiexec kill every rank, in no particular order); with mpiexec's report of the
-        first bad termination where it names the same rank (its report goes in rank order; see
-        exit_order). Without an exit order, mpiexec's report."""
+    def _mpiexec_report(self, beats: dict[int, dict]) -> list[tuple[int, str]]:
+        """(rank, evidence) of each bad termination mpiexec reported this attempt, matched by pid:
+        the first bad exit in rank order, which need not be the first to happen (see exit_order)."""
         text = (self.run_dir / "logs" / "mpiexec.log").read_text(errors="replace").rsplit("=== attempt", 1)[-1]
         pids = {hb.get("pid"): r for r, hb in beats.items()}
-        reported = [(pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}")
-                    for pid, code in re.findall(r"PID (\d+) RUNNING AT .*?EXIT CODE: (\d+)", text, re.S)
-                    if int(pid) in pids]
-        if self._exit_order is None:
-            return reported[0] if reported else (None, "")
-        reported_at = min((rec.get("time", float("inf")) for rec in reports.values()), default=float("inf"))
-        ended = {r: status for r, (status, at) in self._exit_order.ended().items()
-                 if beats.get(r, {}).get("phase") != "finish" and at < reported_at}
-        if not ended:
-            return None, ""
-        rank, status = next(iter(ended.items()))
-        how = "status already reaped" if status is None else describe_exit(status)
-        later = [r for r in ended if r != rank]
-        evidence = f"its process ended first ({how})" + (f", then rank(s) {later}'s" if later else "")
-        return rank, "; ".join([evidence, *(text for r, text in reported if r == rank)])
+        return [(pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}")
+                for pid, code in re.findall(r"PID (\d+) RUNNING AT .*?EXIT CODE: (\d+)", text, re.S)
+                if int(pid) in pids]
 
     def _kill_gang(self, graceful: bool, reason: str | None = None) -> str | None:
         """Every child and its process group gone: SIGTERM first when graceful (the ranks save and
@@ -473,22 +460,41 @@ class Supervisor:
     def _exit_incident(self, failed: dict, beats: dict[int, dict]) -> Incident:
         """Classify a gang that exited with failures. The cause, in order: a rank's own report
         other than a collective failure (that is a consequence); a rank that died without one
-        (killed); a collective failure; under mpiexec, the rank its report names."""
+        (killed), the first to end where several did (the exit order: a dead rank's peers are
+        killed after it, by mpiexec or by kiln's PMI servers), not counting ranks that ended after
+        a rank reported (its MPI_Abort ends them all); a collective failure. Under mpiexec, whose
+        ranks' exits the supervisor does not see, the exit order's ranks that ended without
+        finishing; without an exit order, the rank mpiexec's report names."""
         time.sleep(2 * POLL_S)  # a report written just before the exit
         reports = {r: rec for r in self.ranks if (rec := self._record(f"launch/error/{self.attempt}/{r}"))}
         own = [r for r, rec in reports.items() if rec["class"] != "collective_failure"]
-        silent = [r for r in failed if isinstance(r, int) and r not in reports]
-        mpi_rank, mpi_text = self._mpi_dead_rank(beats, reports) if "mpiexec" in failed else (None, "")
+        ended = self._exit_order.ended() if self._exit_order is not None else {}
+        mpiexec = self._mpiexec_report(beats) if "mpiexec" in failed else []
+        if "mpiexec" in failed:
+            failed = {**{r: status for r, (status, _) in ended.items()
+                         if beats.get(r, {}).get("phase") != "finish"}, **failed}
+            if self._exit_order is None and mpiexec:
+                failed.setdefault(mpiexec[0][0], None)
+        reported_at = min((rec.get("time", float("inf")) for rec in reports.values()), default=float("inf"))
+        order = list(ended)
+        silent = sorted((r for r in failed if isinstance(r, int) and r not in reports
+                         and ended.get(r, (None, 0.0))[1] < reported_at),
+                        key=lambda r: order.index(r) if r in order else len(order))
         if own:
             rank = own[0]
-        elif silent or (mpi_rank is not None and mpi_rank not in reports):
-            rank = silent[0] if silent else mpi_rank
-            reports.pop(rank, None)
+        elif silent:
+            rank = silent[0]
         else:
-            rank = next(iter(reports), mpi_rank)
+            rank = next(iter(reports), None)
         rep = reports.get(rank)
-        exit_text = describe_exit(failed[rank]) if rank in failed else \
-            "; ".join(filter(None, (mpi_text, f"mpiexec {describe_exit(failed['mpiexec'])}")))
+        if rank in failed:
+            status = failed[rank]
+            exit_text = "its process ended (status not seen)" if status is None else describe_exit(status)
+            if len(silent) > 1:
+                exit_text += f", the first to end (then rank(s) {silent[1:]})"
+            exit_text = "; ".join([exit_text, *(text for r, text in mpiexec if r == rank)])
+        else:
+            exit_text = "; ".join([*(text for _, text in mpiexec[:1]), f"mpiexec {describe_exit(failed['mpiexec'])}"])
         quiet = [r for r in self.ranks if r not in reports]
         if rep is not None and rep["class"] == "collective_failure" and quiet:
             exit_text += f"; rank(s) {quiet} did not report the failed collective: stalled or dead there"
