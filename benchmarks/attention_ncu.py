@@ -1,8 +1,8 @@
 """One call of each attention kernel, kiln's and PyTorch SDPA's, for Nsight Compute to profile.
 
-    ncu --clock-control none --profile-from-start off --set full python benchmarks/attention_ncu.py [--shape 16,12,1024,64]
+    ncu --clock-control none --profile-from-start off --set full python benchmarks/attention_ncu.py [--shape 16x12x1024x64]
 
-Causal bf16 at one B,H,T,D (default GPT-2 124M's 16x12x1024x64): every kernel is first run twice
+Causal bf16 at one BxHxTxD (default GPT-2 124M's 16x12x1024x64): every kernel is first run twice
 unprofiled (compiled, autotuned, caches warm), then the profiler range (cudaProfilerStart/Stop)
 holds exactly one call each of kiln's forward (KILN_ATTENTION_FWD as set, default tma-pingpong), its
 split backward (delta, dK/dV, dQ), its fused-bulk backward, and SDPA's forward+backward, in that
@@ -19,18 +19,25 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import parse_shapes  # noqa: E402
 from kernel_speed import BF16, kiln_and_torch, sdpa_fwd_bwd  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="16,12,1024,64", help="B,H,T,D")
+    p.add_argument("--shape", default="16x12x1024x64", help="BxHxTxD, as attention.py's --shapes")
     args = p.parse_args(argv)
+    try:
+        shapes = parse_shapes(args.shape)
+    except ValueError as e:
+        p.error(str(e))
+    if len(shapes) != 1:
+        p.error(f"--shape takes one shape; got {len(shapes)}")
+    [shape] = shapes
     k, torch = kiln_and_torch()
     if k is None:
         return 2
     import cupy
-    shape = tuple(int(x) for x in args.shape.split(","))
     scale = 1.0 / math.sqrt(shape[3])
     gen = k.new_generator(0)
     q, kk, v, g = (k.rng_normal(gen, shape, BF16) for _ in range(4))
