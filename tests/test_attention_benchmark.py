@@ -36,7 +36,10 @@ def test_the_schedule_model_numbers_every_job_once_and_levels_the_blocks():
         row = sched.simulate(shape, 132, 0.5)
         assert 1.0 <= row["fwd_ticket"] <= row["fwd_static"] and 1.0 <= row["fwd_grouped"] < row["fwd_static"]
         assert row["fwd_grouped_heads"] <= row["fwd_static_heads"]
-        assert 1.0 <= row["split_grouped"] < row["split_head-major"]
+        assert 1.0 <= row["split_grouped4"] < row["split_head-major"]
+    fewer = sched.simulate((32, 12, 512, 64), 132, 0.5, split_jobs=(4, 2))  # groups for 2 jobs a slot: half the heads
+    assert fewer["split_grouped2_heads"] * 2 == fewer["split_grouped4_heads"] == 192
+    assert fewer["split_grouped2_mib"] * 2 == fewer["split_grouped4_mib"] == 48
 
 
 def test_attention_benchmark_narrows_to_the_shapes_and_ops_asked_and_refuses_others():
