@@ -3,6 +3,8 @@ end, whether the pid is known (the supervisor's children) or comes in a file (mp
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +14,7 @@ import time
 import pytest
 
 from kiln.launch.exit_order import ExitOrder, process_status
+from kiln.launch.supervisor import LaunchConfig, Supervisor
 
 pytestmark = pytest.mark.skipif(not ExitOrder.available, reason="needs os.pidfd_open (Linux 5.3)")
 
@@ -72,3 +75,63 @@ def test_a_rank_gone_before_the_watcher_saw_its_pid_counts_as_ended(tmp_path):
         _wait_for(lambda: [(r, st) for r, (st, _) in order.ended().items()] == [(0, None)])
     finally:
         order.stop()
+
+
+class _Store:
+    """The launch store's reads the classification makes: each rank's failure report."""
+
+    def __init__(self, records: dict[str, dict]):
+        self.records = {k: json.dumps(v).encode() for k, v in records.items()}
+
+    def try_get(self, key):
+        return self.records.get(key)
+
+
+class _Order:
+    def __init__(self, ended):
+        self._ended = ended
+
+    def ended(self):
+        return dict(self._ended)
+
+
+def _classify(tmp_path, failed, ended, reports=None):
+    sup = Supervisor(LaunchConfig(command=["true"], run_dir=tmp_path, nproc=3), out=io.StringIO())
+    # what mpiexec printed: the first bad exit in rank order, rank 0's (pid 100), killed after the dead rank
+    (tmp_path / "logs" / "mpiexec.log").write_text(
+        "=== attempt 0 ===\n=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 100 RUNNING AT vm\n"
+        "=   EXIT CODE: 9\n")
+    sup.store = _Store({f"launch/error/0/{r}": rec for r, rec in (reports or {}).items()})
+    sup._exit_order = _Order(ended)
+    beats = {r: {"step": 6, "time": time.time(), "phase": "step", "pid": 100 + r} for r in range(3)}
+    return sup._exit_incident(failed, beats)
+
+
+def test_the_dead_rank_is_the_first_to_end_not_the_lowest(tmp_path):
+    """kiln's PMI servers kill a dead rank's peers within 0.2 s: the supervisor's poll can find them all
+    gone, in rank order; the exit order names the one that died."""
+    t = time.time()
+    inc = _classify(tmp_path, {0: -9, 2: -9}, {2: (None, t), 0: (None, t + 0.1)})
+    assert (inc.cls, inc.rank) == ("dead_rank", 2)
+    assert inc.evidence == "exit: killed by SIGKILL, the first to end (then rank(s) [0])"
+    # under mpiexec the supervisor sees only mpiexec's exit; the exit order has the ranks' (zombie statuses)
+    (tmp_path / "mpi").mkdir()
+    inc = _classify(tmp_path / "mpi", {"mpiexec": 9}, {1: (-9, t), 0: (None, t + 0.008)})
+    assert (inc.cls, inc.rank) == ("dead_rank", 1)
+    assert inc.evidence == "exit: killed by SIGKILL, the first to end (then rank(s) [0])"  # not mpiexec's rank 0
+
+
+def test_ranks_that_ended_after_a_report_are_its_consequence(tmp_path):
+    """Rank 0's collective timed out: it reported, then its MPI_Abort ended every rank, rank 2 first. The
+    cause is rank 0's collective failure (rank 2 stalled), not rank 2's death; a rank that reported its own
+    failure and was still running is named with what it reported."""
+    t = time.time()
+    report = {"class": "collective_failure", "step": 7, "evidence": "did not complete within 3 s", "time": t}
+    inc = _classify(tmp_path, {"mpiexec": 1}, {2: (-9, t + 0.01), 0: (-9, t + 0.02)}, {0: report})
+    assert (inc.cls, inc.rank, inc.step) == ("collective_failure", 0, 7)
+    assert "rank(s) [1, 2] did not report the failed collective" in inc.evidence
+    (tmp_path / "own").mkdir()
+    oom = {"class": "host_oom", "step": 5, "evidence": "MemoryError", "time": t}
+    inc = _classify(tmp_path / "own", {1: -9}, {1: (None, t + 0.01)}, {2: oom})
+    assert (inc.cls, inc.rank) == ("host_oom", 2)
+    assert inc.evidence == "MemoryError (still running when the gang failed)"

@@ -472,7 +472,7 @@ class Supervisor:
         mpiexec = self._mpiexec_report(beats) if "mpiexec" in failed else []
         if "mpiexec" in failed:
             failed = {**{r: status for r, (status, _) in ended.items()
-                         if beats.get(r, {}).get("phase") != "finish"}, **failed}
+                         if status != 0 and beats.get(r, {}).get("phase") != "finish"}, **failed}
             if self._exit_order is None and mpiexec:
                 failed.setdefault(mpiexec[0][0], None)
         reported_at = min((rec.get("time", float("inf")) for rec in reports.values()), default=float("inf"))
@@ -493,8 +493,10 @@ class Supervisor:
             if len(silent) > 1:
                 exit_text += f", the first to end (then rank(s) {silent[1:]})"
             exit_text = "; ".join([exit_text, *(text for r, text in mpiexec if r == rank)])
-        else:
+        elif "mpiexec" in failed:
             exit_text = "; ".join([*(text for _, text in mpiexec[:1]), f"mpiexec {describe_exit(failed['mpiexec'])}"])
+        else:  # it reported, and was still running when another rank's exit ended the gang
+            exit_text = "still running when the gang failed"
         quiet = [r for r in self.ranks if r not in reports]
         if rep is not None and rep["class"] == "collective_failure" and quiet:
             exit_text += f"; rank(s) {quiet} did not report the failed collective: stalled or dead there"
