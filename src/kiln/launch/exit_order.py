@@ -47,6 +47,7 @@ class ExitOrder:
         self.pids = dict(pids)
         self._ended: dict[int, tuple[int | None, float]] = {}
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # stop() writes a byte: the watcher's poll returns at once
         self._thread = threading.Thread(target=self._run, name="kiln-exit-order", daemon=True)
         self._thread.start()
 
@@ -55,10 +56,14 @@ class ExitOrder:
 
     def stop(self) -> None:
         self._stop.set()
+        os.write(self._wake_w, b"x")
         self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def _run(self) -> None:
         poller, watched = select.poll(), {}  # pidfd -> (rank, pid)
+        poller.register(self._wake_r, select.POLLIN)
         try:
             while not self._stop.is_set():
                 for rank, source in self.pids.items():
@@ -76,7 +81,8 @@ class ExitOrder:
                     poller.register(fd, select.POLLIN)
                     watched[fd] = (rank, pid)
                 known = len(watched) + len(self._ended) == len(self.pids)
-                ready = [(fd, *watched[fd]) for fd, _ in poller.poll(100 if known else RESCAN_S * 1000)]
+                events = poller.poll(None if known else RESCAN_S * 1000)
+                ready = [(fd, *watched[fd]) for fd, _ in events if fd in watched]
                 for fd, rank, pid in sorted(ready, key=lambda r: r[1]):  # ties (one wake-up): rank order
                     self._ended[rank] = process_status(pid)[1], time.time()
                     poller.unregister(fd)
