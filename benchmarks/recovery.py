@@ -9,6 +9,12 @@ are checked bit for bit against an unfaulted run (the skipped step excepted for 
 
     python benchmarks/recovery.py                          # CPU, tiny model, every fault class
     python benchmarks/recovery.py --device cuda --faults kill,nan --out $OUT   # one GPU
+    python benchmarks/recovery.py --faults ddp2-kill-rank-1 --repeat 5 --busy 2  # the rank named, 5 runs, loaded
+
+--repeat runs each fault that many times (the table's figures are the first run's; the rank each run's
+incident named is listed: a dead rank's peers die milliseconds after it, so naming the right one is a race
+the launcher must not lose); --busy starts that many spinning processes for the faulted runs, a loaded
+machine like a 2-core CI.
 
 Writes benchmarks/results/recovery/recovery-<device>-<date>.json and .md (or into --out) and prints the table.
 """
@@ -85,7 +91,11 @@ def main() -> None:
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--out", default=None, help="folder for the result file (default benchmarks/results)")
     ap.add_argument("--keep", default=None, help="keep the run folders here (default: a temporary folder)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each fault")
+    ap.add_argument("--busy", type=int, default=0, help="spinning processes beside the faulted runs")
     a = ap.parse_args()
+    if a.repeat < 1 or a.busy < 0:
+        ap.error("--repeat takes at least 1, --busy at least 0")
     folder = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="kiln-recovery-"))
     folder.mkdir(parents=True, exist_ok=True)
     k, c = a.steps // 2 + 2, a.interval * 2  # the faulted step; the checkpoint step for checkpoint faults
@@ -98,20 +108,35 @@ def main() -> None:
             references[ranks] = final_params(folder / f"reference-{ranks}")
         reference, wall_ref = references[ranks], walls[ranks]
         fault = spec.format(k=k, c=c)
-        run = folder / name
-        wall, _ = launch(run, a, fault, options, ranks)
-        incidents = [json.loads(line) for line in (run / "incidents.jsonl").read_text().splitlines()]
-        got = final_params(run)
-        equal = all(np.array_equal(got[n], reference[n]) for n in reference)
-        main_incident = next(i for i in incidents if not i["class"].startswith("checkpoint_"))
-        rows[name] = {"fault": fault, "ranks": ranks, "classes": [i["class"] for i in incidents], "action": main_incident["action"],
-                      "detect_s": main_incident["detect_s"], "recovery_s": main_incident["recovery_s"],
-                      "fault_to_training_s": round((main_incident["detect_s"] or 0) + main_incident["recovery_s"], 3),
-                      "steps_lost": main_incident["steps_lost"], "wall_s": round(wall, 2),
-                      "extra_wall_s": round(wall - wall_ref, 2), "final_params_equal_unfaulted": equal,
-                      "incidents": incidents}
-        print(f"{name}: {rows[name]['classes']} detect {rows[name]['detect_s']} s, recover "
-              f"{rows[name]['recovery_s']} s, lost {rows[name]['steps_lost']} steps, equal {equal}", flush=True)
+        named = []
+        for rep in range(a.repeat):
+            run = folder / (name if rep == 0 else f"{name}-{rep}")
+            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
+            try:
+                wall, _ = launch(run, a, fault, options, ranks)
+            finally:
+                for p in busy:
+                    p.kill()
+                    p.wait()
+            incidents = [json.loads(line) for line in (run / "incidents.jsonl").read_text().splitlines()]
+            got = final_params(run)
+            equal = all(np.array_equal(got[n], reference[n]) for n in reference)
+            main_incident = next(i for i in incidents if not i["class"].startswith("checkpoint_"))
+            named.append(main_incident["rank"])
+            if rep == 0:
+                rows[name] = {"fault": fault, "ranks": ranks, "classes": [i["class"] for i in incidents],
+                              "action": main_incident["action"], "detect_s": main_incident["detect_s"],
+                              "recovery_s": main_incident["recovery_s"],
+                              "fault_to_training_s": round((main_incident["detect_s"] or 0) + main_incident["recovery_s"], 3),
+                              "steps_lost": main_incident["steps_lost"], "wall_s": round(wall, 2),
+                              "extra_wall_s": round(wall - wall_ref, 2), "final_params_equal_unfaulted": equal,
+                              "incidents": incidents}
+            else:
+                rows[name]["final_params_equal_unfaulted"] &= equal
+            print(f"{name} run {rep}: {[i['class'] for i in incidents]} rank {main_incident['rank']} "
+                  f"({main_incident['evidence'][:120]}), detect {main_incident['detect_s']} s, recover "
+                  f"{main_incident['recovery_s']} s, lost {main_incident['steps_lost']} steps, equal {equal}", flush=True)
+        rows[name]["ranks_named"] = named
     record = {"benchmark": "recovery", "date": time.strftime("%Y-%m-%d"), "commit": commit(),
               "dirty": src_dirty(),
               "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -119,14 +144,18 @@ def main() -> None:
                           "load_average": os.getloadavg()},
               "model": MODEL, "device": a.device, "steps": a.steps, "checkpoint_interval": a.interval,
               "batch_size": a.batch_size, "dist_timeout_s": float(DIST_TIMEOUT_S),
+              "repeat": a.repeat, "busy": a.busy,
               "reference_wall_s": {str(r): round(w, 2) for r, w in walls.items()}, "results": rows}
     lines = [f"{a.steps} steps, checkpoint every {a.interval}, {a.device}, commit {record['commit'][:7]}; "
-             "unfaulted runs " + ", ".join(f"{r} rank(s) {w:.1f} s wall" for r, w in walls.items()), "",
-             "| fault | ranks | incident classes | action | detect (s) | recover (s) | fault to training (s) "
-             "| steps lost | extra wall (s) | final params = unfaulted |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "unfaulted runs " + ", ".join(f"{r} rank(s) {w:.1f} s wall" for r, w in walls.items())
+             + (f"; each fault {a.repeat} times" if a.repeat > 1 else "")
+             + (f", {a.busy} spinning processes beside the faulted runs" if a.busy else ""), "",
+             "| fault | ranks | incident classes | rank named (each run) | action | detect (s) | recover (s) "
+             "| fault to training (s) | steps lost | extra wall (s) | final params = unfaulted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['ranks']} | {', '.join(r['classes'])} | {r['action']} | {r['detect_s']} | "
+        lines.append(f"| {name} | {r['ranks']} | {', '.join(r['classes'])} | {', '.join(map(str, r['ranks_named']))} "
+                     f"| {r['action']} | {r['detect_s']} | "
                      f"{r['recovery_s']:.3g} | {r['fault_to_training_s']:.3g} | {r['steps_lost']} | "
                      f"{r['extra_wall_s']} | {'bit for bit' if r['final_params_equal_unfaulted'] else 'no' + (' (skipped step)' if 'skip' in r['action'] else '')} |")
     table = "\n".join(lines) + "\n"

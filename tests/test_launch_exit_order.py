@@ -1,5 +1,6 @@
-"""kiln.launch.exit_order: which of a gang's processes ended first, however close together they
-end, whether the pid is known (the supervisor's children) or comes in a file (mpiexec's ranks)."""
+"""kiln.launch.exit_order: which of a gang's processes ended first, however close together they end:
+the supervisor's children by pidfds, mpiexec's ranks by the exit statuses their shells write; and the
+supervisor's classification that uses the order."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from kiln.launch.exit_order import ExitOrder, process_status
+from kiln.launch.exit_order import ExitMarkers, ExitOrder, process_status
 from kiln.launch.supervisor import LaunchConfig, Supervisor
 
 pytestmark = pytest.mark.skipif(not ExitOrder.available, reason="needs os.pidfd_open (Linux 5.3)")
@@ -30,13 +31,10 @@ def _wait_for(condition, timeout=10.0):
         time.sleep(0.005)
 
 
-def test_the_rank_that_dies_first_is_first_even_when_the_next_dies_milliseconds_later(tmp_path):
+def test_the_rank_that_dies_first_is_first_even_when_the_next_dies_milliseconds_later():
     procs = [_sleeper() for _ in range(3)]
-    files = {rank: tmp_path / f"rank-{rank}.pid" for rank in (1, 2)}
-    order = ExitOrder({0: procs[0].pid, **files})  # rank 0's pid known, the others' written when they start
+    order = ExitOrder({rank: p.pid for rank, p in enumerate(procs)})
     try:
-        for rank in (1, 2):
-            files[rank].write_text(f"{procs[rank].pid}\n")
         time.sleep(0.05)  # the watcher has opened every pidfd
         assert order.ended() == {}
         procs[2].kill()
@@ -65,16 +63,32 @@ def test_a_zombie_shows_its_status_and_a_reaped_process_none():
     done.wait()
 
 
-def test_a_rank_gone_before_the_watcher_saw_its_pid_counts_as_ended(tmp_path):
-    p = _sleeper()
-    p.kill()
-    p.wait()
-    (tmp_path / "rank-0.pid").write_text(str(p.pid))
-    order = ExitOrder({0: tmp_path / "rank-0.pid", 1: tmp_path / "rank-1.pid"})  # rank 1 never starts
+def test_a_rank_gone_before_the_watcher_started_counts_as_ended():
+    gone, alive = _sleeper(), _sleeper()
+    gone.kill()
+    gone.wait()
+    order = ExitOrder({0: gone.pid, 1: alive.pid})
     try:
         _wait_for(lambda: [(r, st) for r, (st, _) in order.ended().items()] == [(0, None)])
     finally:
         order.stop()
+        alive.kill()
+        alive.wait()
+
+
+def test_mpiexec_ranks_end_in_the_order_their_shells_wrote_their_statuses(tmp_path):
+    """The launcher's rank shell (kiln launch --mpi) writes the command's status when it ends, before the
+    shell exits: the dead rank's before mpiexec's proxy can kill the others (whose shells write nothing)."""
+    paths = {rank: tmp_path / f"rank-{rank}.exit" for rank in range(3)}
+    markers = ExitMarkers(paths)
+    assert markers.ended() == {}
+    for rank, status in ((2, 137), (0, 1)):  # the way supervisor._spawn_mpi's shell writes it
+        subprocess.run(["sh", "-c", f'sh -c "exit {status}"; s=$?; echo $s > "$0"', str(paths[rank])], check=True)
+        time.sleep(0.02)  # file times have a clock tick's resolution: a few ms
+    ended = markers.ended()
+    assert list(ended) == [2, 0] and [st for st, _ in ended.values()] == [137, 1]
+    paths[1].write_text("")  # a shell killed while writing: not counted
+    assert list(markers.ended()) == [2, 0]
 
 
 class _Store:
@@ -97,10 +111,6 @@ class _Order:
 
 def _classify(tmp_path, failed, ended, reports=None):
     sup = Supervisor(LaunchConfig(command=["true"], run_dir=tmp_path, nproc=3), out=io.StringIO())
-    # what mpiexec printed: the first bad exit in rank order, rank 0's (pid 100), killed after the dead rank
-    (tmp_path / "logs" / "mpiexec.log").write_text(
-        "=== attempt 0 ===\n=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n=   PID 100 RUNNING AT vm\n"
-        "=   EXIT CODE: 9\n")
     sup.store = _Store({f"launch/error/0/{r}": rec for r, rec in (reports or {}).items()})
     sup._exit_order = _Order(ended)
     beats = {r: {"step": 6, "time": time.time(), "phase": "step", "pid": 100 + r} for r in range(3)}
@@ -114,11 +124,10 @@ def test_the_dead_rank_is_the_first_to_end_not_the_lowest(tmp_path):
     inc = _classify(tmp_path, {0: -9, 2: -9}, {2: (None, t), 0: (None, t + 0.1)})
     assert (inc.cls, inc.rank) == ("dead_rank", 2)
     assert inc.evidence == "exit: killed by SIGKILL, the first to end (then rank(s) [0])"
-    # under mpiexec the supervisor sees only mpiexec's exit; the exit order has the ranks' (zombie statuses)
+    # under mpiexec the supervisor sees only mpiexec's exit; the ranks' shells wrote theirs (128 + SIGKILL)
     (tmp_path / "mpi").mkdir()
-    inc = _classify(tmp_path / "mpi", {"mpiexec": 9}, {1: (-9, t), 0: (None, t + 0.008)})
-    assert (inc.cls, inc.rank) == ("dead_rank", 1)
-    assert inc.evidence == "exit: killed by SIGKILL, the first to end (then rank(s) [0])"  # not mpiexec's rank 0
+    inc = _classify(tmp_path / "mpi", {"mpiexec": 137}, {1: (137, t)})
+    assert (inc.cls, inc.rank, inc.evidence) == ("dead_rank", 1, "exit: killed by SIGKILL")
 
 
 def test_ranks_that_ended_after_a_report_are_its_consequence(tmp_path):

@@ -1,13 +1,19 @@
 """The order in which a gang's rank processes end.
 
 When one rank dies its peers are killed after it: under `mpiexec` by hydra's proxy within
-milliseconds, without it by kiln's PMI servers within ABORT_POLL_S. mpiexec then reports the first
-bad exit in *rank* order, which can be a rank it killed rather than the one that died (seen on a
-loaded 2-core machine: rank 1 SIGKILLed, rank 0 killed by the proxy 8 ms later, mpiexec named
-rank 0), and the supervisor's 0.1 s poll can see both gone at once. Here a thread waits on a pidfd
-of each rank's process (readable the moment it exits, the supervisor's child or not: under
-mpiexec the ranks are the proxy's) and keeps the order in which they ended, each with its wait
-status where its zombie still showed it, and the time it was seen.
+milliseconds (rank 0 ended 8 ms after rank 1 on a loaded 2-core machine), without it by kiln's PMI
+servers within ABORT_POLL_S. mpiexec reports the first bad exit in *rank* order, which can be a rank
+it killed rather than the one that died, and the supervisor's 0.1 s poll can see both gone at once.
+
+- `ExitOrder`, for the ranks the supervisor starts itself: a thread waits on a pidfd of each (readable
+  the moment it exits) and keeps the order in which they ended, with the time it saw each.
+- `ExitMarkers`, for mpiexec's ranks: each rank's shell runs the command as its child and, when the
+  command ends, writes its exit status to logs/rank-R.exit before it exits itself, which is before
+  hydra's proxy can see the rank end (the shell holds the rank's PMI descriptor) and kill the others:
+  their shells die with them (SIGUSR1, then SIGKILL, to the process group) and write nothing. The
+  markers are causal: the dead rank's is there first, and its status is the command's own.
+
+Both give `ended()`: rank -> (exit status or None, time), first to end first, and `stop()`.
 """
 
 from __future__ import annotations
@@ -17,8 +23,6 @@ import select
 import threading
 import time
 from pathlib import Path
-
-RESCAN_S = 0.01  # how often the pid files are read until every rank's process is known
 
 
 def process_status(pid: int) -> tuple[bool, int | None]:
@@ -36,14 +40,13 @@ def process_status(pid: int) -> tuple[bool, int | None]:
 
 
 class ExitOrder:
-    """Watches each rank's process: `pids` is rank -> its pid, or the file it will write its pid to
-    when it starts (mpiexec's ranks). `ended()` is every rank whose process has ended, first to end
-    first, as rank -> (wait status, or None when already reaped; time.time() when seen). Needs
+    """Watches each rank's process (rank -> pid): `ended()` is every rank whose process has ended, first
+    to end first, as rank -> (wait status, or None when already reaped; time.time() when seen). Needs
     os.pidfd_open (Linux 5.3)."""
 
     available = hasattr(os, "pidfd_open")
 
-    def __init__(self, pids: dict[int, int | Path]):
+    def __init__(self, pids: dict[int, int]):
         self.pids = dict(pids)
         self._ended: dict[int, tuple[int | None, float]] = {}
         self._stop = threading.Event()
@@ -64,25 +67,17 @@ class ExitOrder:
     def _run(self) -> None:
         poller, watched = select.poll(), {}  # pidfd -> (rank, pid)
         poller.register(self._wake_r, select.POLLIN)
+        for rank, pid in self.pids.items():
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:  # gone (and reaped) before the watcher started
+                self._ended[rank] = None, time.time()
+                continue
+            poller.register(fd, select.POLLIN)
+            watched[fd] = (rank, pid)
         try:
-            while not self._stop.is_set():
-                for rank, source in self.pids.items():
-                    if rank in self._ended or rank in {r for r, _ in watched.values()}:
-                        continue
-                    try:
-                        pid = source if isinstance(source, int) else int(source.read_text())
-                    except (OSError, ValueError):
-                        continue  # not started yet (or the pid half written)
-                    try:
-                        fd = os.pidfd_open(pid)
-                    except ProcessLookupError:
-                        self._ended[rank] = None, time.time()
-                        continue
-                    poller.register(fd, select.POLLIN)
-                    watched[fd] = (rank, pid)
-                known = len(watched) + len(self._ended) == len(self.pids)
-                events = poller.poll(None if known else RESCAN_S * 1000)
-                ready = [(fd, *watched[fd]) for fd, _ in events if fd in watched]
+            while watched and not self._stop.is_set():
+                ready = [(fd, *watched[fd]) for fd, _ in poller.poll() if fd in watched]
                 for fd, rank, pid in sorted(ready, key=lambda r: r[1]):  # ties (one wake-up): rank order
                     self._ended[rank] = process_status(pid)[1], time.time()
                     poller.unregister(fd)
@@ -91,3 +86,26 @@ class ExitOrder:
         finally:
             for fd in watched:
                 os.close(fd)
+
+
+class ExitMarkers:
+    """The exit statuses mpiexec's ranks' shells write (rank -> logs/rank-R.exit; the launcher removes them
+    before each attempt): `ended()` as ExitOrder's, ordered by the files' modification times (one clock
+    tick apart at worst: ties, rare, in rank order), the status the shell's ($? of the command: 128 + N
+    for a signal N)."""
+
+    def __init__(self, paths: dict[int, Path]):
+        self.paths = dict(paths)
+
+    def ended(self) -> dict[int, tuple[int | None, float]]:
+        found = []
+        for rank, path in self.paths.items():
+            try:
+                status, mtime = int(path.read_text()), path.stat().st_mtime_ns
+            except (OSError, ValueError):
+                continue  # still running, killed (no marker), or the status half written
+            found.append((mtime, rank, status))
+        return {rank: (status, mtime / 1e9) for mtime, rank, status in sorted(found)}
+
+    def stop(self) -> None:
+        pass

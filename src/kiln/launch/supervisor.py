@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from kiln.checkpoint.format import SUFFIX
 from kiln.errors import ConfigError, NotBuiltError
-from kiln.launch.exit_order import ExitOrder
+from kiln.launch.exit_order import ExitMarkers, ExitOrder
 from kiln.launch.health import Health
 from kiln.launch.incidents import CLASSES, Incident, IncidentLog, describe_exit
 from kiln.launch.rank import BAD_STEP_POLICIES
@@ -185,7 +184,7 @@ class Supervisor:
         self.health = Health(self.run_dir / "health.jsonl", config.prometheus_port, self.say)
         self._stop: int | None = None
         self._procs: dict[int, subprocess.Popen] = {}
-        self._exit_order: ExitOrder | None = None  # the order the ranks' processes ended
+        self._exit_order: ExitOrder | ExitMarkers | None = None  # the order the ranks' processes ended
         self.attempt = 0
 
     def say(self, msg: str) -> None:
@@ -282,19 +281,21 @@ class Supervisor:
 
     def _spawn_mpi(self, gpus) -> None:
         """The node's ranks as one `mpiexec -n nproc` (MPI connects them); each rank appends its
-        output to its own log (PMI_RANK names it) and its pid to logs/rank-R.pid, for the exit
-        order (kiln.launch.exit_order); mpiexec's own output goes to logs/mpiexec.log."""
+        output to its own log (PMI_RANK names it); mpiexec's own goes to logs/mpiexec.log. Each rank is
+        a shell running the command as its child, which writes the command's exit status to
+        logs/rank-R.exit when it ends (kiln.launch.exit_order.ExitMarkers: which rank ended first, on
+        its own); the shell waits out TERM, INT and HUP (the rank, in the same process group, gets them
+        and saves), and dies with the rank on hydra's SIGUSR1 and SIGKILL."""
         c = self.config
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
         if mpiexec is None:
             raise ConfigError("kiln launch --mpi needs mpiexec: pip install 'kiln[dist]' (mpi4py, mpich)")
-        pid_files = {rank: self.run_dir / "logs" / f"rank-{rank}.pid" for rank in self.ranks}
-        for path in pid_files.values():
+        markers = {rank: self.run_dir / "logs" / f"rank-{rank}.exit" for rank in self.ranks}
+        for path in markers.values():
             path.unlink(missing_ok=True)
-        if ExitOrder.available:
-            self._exit_order = ExitOrder(pid_files)
-        per_rank = ('echo $$ > "$KILN_RUN_DIR/logs/rank-$PMI_RANK.pid"; '
-                    'exec "$@" >> "$KILN_RUN_DIR/logs/rank-$PMI_RANK.log" 2>&1')
+        self._exit_order = ExitMarkers(markers)
+        per_rank = ('trap : TERM INT HUP; "$@" >> "$KILN_RUN_DIR/logs/rank-$PMI_RANK.log" 2>&1; s=$?; '
+                    'echo $s > "$KILN_RUN_DIR/logs/rank-$PMI_RANK.exit"; exit $s')
         command = [mpiexec, "-n", str(c.nproc), "sh", "-c", per_rank, "sh", *c.command]
         with open(self.run_dir / "logs" / "mpiexec.log", "ab") as log:
             log.write(f"=== attempt {self.attempt} ===\n".encode())
@@ -302,15 +303,6 @@ class Supervisor:
             self._procs["mpiexec"] = subprocess.Popen(command, env=self._rank_env(None, gpus), stdout=log,
                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                       start_new_session=True, preexec_fn=_bind_to_parent)
-
-    def _mpiexec_report(self, beats: dict[int, dict]) -> list[tuple[int, str]]:
-        """(rank, evidence) of each bad termination mpiexec reported this attempt, matched by pid:
-        the first bad exit in rank order, which need not be the first to happen (see exit_order)."""
-        text = (self.run_dir / "logs" / "mpiexec.log").read_text(errors="replace").rsplit("=== attempt", 1)[-1]
-        pids = {hb.get("pid"): r for r, hb in beats.items()}
-        return [(pids[int(pid)], f"mpiexec: bad termination of pid {pid}, EXIT CODE {code}")
-                for pid, code in re.findall(r"PID (\d+) RUNNING AT .*?EXIT CODE: (\d+)", text, re.S)
-                if int(pid) in pids]
 
     def _kill_gang(self, graceful: bool, reason: str | None = None) -> str | None:
         """Every child and its process group gone: SIGTERM first when graceful (the ranks save and
@@ -463,18 +455,15 @@ class Supervisor:
         (killed), the first to end where several did (the exit order: a dead rank's peers are
         killed after it, by mpiexec or by kiln's PMI servers), not counting ranks that ended after
         a rank reported (its MPI_Abort ends them all); a collective failure. Under mpiexec, whose
-        ranks' exits the supervisor does not see, the exit order's ranks that ended without
-        finishing; without an exit order, the rank mpiexec's report names."""
+        ranks' exits the supervisor does not see, the ranks whose shells wrote an exit status
+        (ExitMarkers) other than 0 without finishing (mpiexec's own report goes in rank order)."""
         time.sleep(2 * POLL_S)  # a report written just before the exit
         reports = {r: rec for r in self.ranks if (rec := self._record(f"launch/error/{self.attempt}/{r}"))}
         own = [r for r, rec in reports.items() if rec["class"] != "collective_failure"]
         ended = self._exit_order.ended() if self._exit_order is not None else {}
-        mpiexec = self._mpiexec_report(beats) if "mpiexec" in failed else []
         if "mpiexec" in failed:
             failed = {**{r: status for r, (status, _) in ended.items()
                          if status != 0 and beats.get(r, {}).get("phase") != "finish"}, **failed}
-            if self._exit_order is None and mpiexec:
-                failed.setdefault(mpiexec[0][0], None)
         reported_at = min((rec.get("time", float("inf")) for rec in reports.values()), default=float("inf"))
         order = list(ended)
         silent = sorted((r for r in failed if isinstance(r, int) and r not in reports
@@ -492,9 +481,8 @@ class Supervisor:
             exit_text = "its process ended (status not seen)" if status is None else describe_exit(status)
             if len(silent) > 1:
                 exit_text += f", the first to end (then rank(s) {silent[1:]})"
-            exit_text = "; ".join([exit_text, *(text for r, text in mpiexec if r == rank)])
         elif "mpiexec" in failed:
-            exit_text = "; ".join([*(text for _, text in mpiexec[:1]), f"mpiexec {describe_exit(failed['mpiexec'])}"])
+            exit_text = f"mpiexec {describe_exit(failed['mpiexec'])}"
         else:  # it reported, and was still running when another rank's exit ended the gang
             exit_text = "still running when the gang failed"
         quiet = [r for r in self.ranks if r not in reports]
