@@ -113,7 +113,7 @@ def _classify(tmp_path, failed, ended, reports=None):
     sup = Supervisor(LaunchConfig(command=["true"], run_dir=tmp_path, nproc=3), out=io.StringIO())
     sup.store = _Store({f"launch/error/0/{r}": rec for r, rec in (reports or {}).items()})
     sup._exit_order = _Order(ended)
-    beats = {r: {"step": 6, "time": time.time(), "phase": "step", "pid": 100 + r} for r in range(3)}
+    beats = {r: {"step": 6, "time": time.time(), "phase": "step"} for r in range(3)}
     return sup._exit_incident(failed, beats)
 
 

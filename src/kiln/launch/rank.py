@@ -118,7 +118,7 @@ class RankAgent:
         if phase == "step" and self.trained_at is None:
             self.trained_at = now
         self.store.set(self._key("hb"), json.dumps({"step": step, "time": now, "phase": phase, "step_s": step_s,
-                                                    "trained_at": self.trained_at, "pid": os.getpid(), **values}))
+                                                    "trained_at": self.trained_at, **values}))
 
     def step_done(self, step: int, seconds: float, loss: float | None, grad_norm: float | None) -> BadStep | None:
         """Heartbeat for a finished step; the bad step it was, if it was one (detector verdict)."""
