@@ -1,5 +1,6 @@
 """`kiln launch --mpi -- kiln train --parallel ddp`: the Trainer's data parallelism over 2 MPI
-ranks on the CPU, supervised and recovered: a rank killed at step k, a stalled rank whose peer's
+ranks on the CPU, supervised and recovered: a rank killed at step k (under mpiexec, and with the
+ranks started by kiln launch itself, MPI through kiln's PMI servers), a stalled rank whose peer's
 all-reduce times out, and (ZeRO-1, one checkpoint file per rank) a corrupt or missing shard. Each
 run ends with the unfaulted run's parameters, bit for bit, and no process left behind (issue 16)."""
 
@@ -75,11 +76,25 @@ def test_a_killed_ddp_rank_is_named_and_the_gang_restarts(reference, tmp_path):
     assert proc.returncode == 0, proc.stderr
     [inc] = incidents(run)
     assert (inc["class"], inc["rank"], inc["step"], inc["resumed_from_step"]) == ("dead_rank", 1, 6, 4)
-    # the status rank 1's shell wrote (exit_order.ExitMarkers); mpiexec's own report names the first bad
+    # the status rank 1's shell wrote (exit_markers.ExitMarkers); mpiexec's own report names the first bad
     # exit in rank order, which on a loaded machine was rank 0, killed by mpiexec 8 ms after rank 1 died
     assert inc["evidence"] == "exit: killed by SIGKILL", inc["evidence"]
     log = (run / "logs" / "rank-1.log").read_text()
     assert log.count("=== kiln launch: run") == 2 and "attempt 1: resuming" in log
+    _assert_recovered(run, reference)
+
+
+def test_a_killed_ddp_rank_without_mpiexec_is_named_and_its_peer_aborted_through_the_store(reference, tmp_path):
+    """`kiln launch --nproc 2` starting the CPU ranks itself (MPI through kiln's PMI servers): rank 1 killed at
+    step 6 is the rank named, and rank 0 is not killed by its PMI server (which would end it within one of
+    the supervisor's polls) but aborted by the supervisor through the store."""
+    run = tmp_path / "run"
+    proc = launch(run, TRAIN, "--nproc", 2, fault="kill@step=6,rank=1")
+    assert proc.returncode == 0, proc.stderr
+    [inc] = incidents(run)
+    assert (inc["class"], inc["rank"], inc["step"], inc["resumed_from_step"]) == ("dead_rank", 1, 6, 4)
+    assert inc["evidence"] == "exit: killed by SIGKILL"
+    assert inc["teardown"].startswith("rank(s) [0] aborted their communicators through the store"), inc["teardown"]
     _assert_recovered(run, reference)
 
 

@@ -11,7 +11,10 @@ MPI itself moves every byte after that. (A thread cannot serve: MPI_Init holds t
 0's server also holds the store when no launcher does (srun), until every rank's MPI is done.
 As mpiexec does, the servers end the job when one rank fails: a rank that calls MPI_Abort, or
 whose process ends without MPI_Finalize, sets the store's abort key, and every server that sees
-it kills its rank (SIGKILL) within ABORT_POLL_S.
+it kills its rank (SIGKILL) within ABORT_POLL_S. Not under `kiln launch` (KILN_LAUNCH_STORE set):
+its supervisor sees the rank end, names it and tears the gang down through the store (the others
+abort their communicators and exit); a server killing the others too would end them within one
+of the supervisor's polls, and which rank died first could no longer be told.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class PMIServer:
         """Answer the MPI library at the other end of sock until it closes it (its process, rank_pid,
         ended), killing that process if another rank aborts the job; the store's host then waits
         for every rank's MPI to be done with the store."""
-        threading.Thread(target=self._watch_abort, args=(rank_pid,), name="kiln-pmi-abort", daemon=True).start()
+        if not os.environ.get("KILN_LAUNCH_STORE"):  # kiln launch's supervisor tears its gangs down itself
+            threading.Thread(target=self._watch_abort, args=(rank_pid,), name="kiln-pmi-abort", daemon=True).start()
         for line in sock.makefile("rb"):
             fields = dict(f.split("=", 1) for f in line.decode().split() if "=" in f)
             try:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kiln.checkpoint.format import SUFFIX
 from kiln.errors import ConfigError, NotBuiltError
-from kiln.launch.exit_order import ExitMarkers, ExitOrder
+from kiln.launch.exit_markers import ExitMarkers
 from kiln.launch.health import Health
 from kiln.launch.incidents import CLASSES, Incident, IncidentLog, describe_exit
 from kiln.launch.rank import BAD_STEP_POLICIES
@@ -184,7 +184,7 @@ class Supervisor:
         self.health = Health(self.run_dir / "health.jsonl", config.prometheus_port, self.say)
         self._stop: int | None = None
         self._procs: dict[int, subprocess.Popen] = {}
-        self._exit_order: ExitOrder | ExitMarkers | None = None  # the order the ranks' processes ended
+        self._exit_markers: ExitMarkers | None = None  # under mpiexec: the statuses the ranks' shells wrote
         self.attempt = 0
 
     def say(self, msg: str) -> None:
@@ -276,14 +276,12 @@ class Supervisor:
                 raise ConfigError(f"kiln launch cannot start {c.command[0]!r}: {e}") from None
             finally:
                 log.close()
-        if ExitOrder.available:
-            self._exit_order = ExitOrder({rank: p.pid for rank, p in self._procs.items()})
 
     def _spawn_mpi(self, gpus) -> None:
         """The node's ranks as one `mpiexec -n nproc` (MPI connects them); each rank appends its
         output to its own log (PMI_RANK names it); mpiexec's own goes to logs/mpiexec.log. Each rank is
         a shell running the command as its child, which writes the command's exit status to
-        logs/rank-R.exit when it ends (kiln.launch.exit_order.ExitMarkers: which rank ended first, on
+        logs/rank-R.exit when it ends (kiln.launch.exit_markers: which rank ended first, on
         its own); the shell waits out TERM, INT and HUP (the rank, in the same process group, gets them
         and saves), and dies with the rank on hydra's SIGUSR1 and SIGKILL."""
         c = self.config
@@ -293,7 +291,7 @@ class Supervisor:
         markers = {rank: self.run_dir / "logs" / f"rank-{rank}.exit" for rank in self.ranks}
         for path in markers.values():
             path.unlink(missing_ok=True)
-        self._exit_order = ExitMarkers(markers)
+        self._exit_markers = ExitMarkers(markers)
         per_rank = ('trap : TERM INT HUP; "$@" >> "$KILN_RUN_DIR/logs/rank-$PMI_RANK.log" 2>&1; s=$?; '
                     'echo $s > "$KILN_RUN_DIR/logs/rank-$PMI_RANK.exit"; exit $s')
         command = [mpiexec, "-n", str(c.nproc), "sh", "-c", per_rank, "sh", *c.command]
@@ -332,9 +330,7 @@ class Supervisor:
         for p in self._procs.values():
             p.wait()
         self._procs = {}
-        if self._exit_order is not None:
-            self._exit_order.stop()
-            self._exit_order = None
+        self._exit_markers = None
         return teardown
 
     def _wait_for_exit(self, seconds: float) -> None:
@@ -452,15 +448,15 @@ class Supervisor:
     def _exit_incident(self, failed: dict, beats: dict[int, dict]) -> Incident:
         """Classify a gang that exited with failures. The cause, in order: a rank's own report
         other than a collective failure (that is a consequence); a rank that died without one
-        (killed), the first to end where several did (the exit order: a dead rank's peers are
-        killed after it, by mpiexec or by kiln's PMI servers), not counting ranks that ended after
-        a rank reported (its MPI_Abort ends them all); a collective failure. Under mpiexec, whose
-        ranks' exits the supervisor does not see, the ranks whose shells wrote an exit status
-        (ExitMarkers) other than 0 without finishing (mpiexec's own report goes in rank order)."""
+        (killed), the first to end where several did, not counting ranks that ended after a rank
+        reported (its MPI_Abort ends them all); a collective failure. Under mpiexec, whose ranks'
+        exits the supervisor does not see, the ranks whose shells wrote an exit status other than 0
+        without finishing, in the order they wrote it (ExitMarkers: mpiexec kills a dead rank's
+        peers within milliseconds, and its own report goes in rank order)."""
         time.sleep(2 * POLL_S)  # a report written just before the exit
         reports = {r: rec for r in self.ranks if (rec := self._record(f"launch/error/{self.attempt}/{r}"))}
         own = [r for r, rec in reports.items() if rec["class"] != "collective_failure"]
-        ended = self._exit_order.ended() if self._exit_order is not None else {}
+        ended = self._exit_markers.ended() if self._exit_markers is not None else {}
         if "mpiexec" in failed:
             failed = {**{r: status for r, (status, _) in ended.items()
                          if status != 0 and beats.get(r, {}).get("phase") != "finish"}, **failed}
@@ -477,8 +473,7 @@ class Supervisor:
             rank = next(iter(reports), None)
         rep = reports.get(rank)
         if rank in failed:
-            status = failed[rank]
-            exit_text = "its process ended (status not seen)" if status is None else describe_exit(status)
+            exit_text = describe_exit(failed[rank])
             if len(silent) > 1:
                 exit_text += f", the first to end (then rank(s) {silent[1:]})"
         elif "mpiexec" in failed:
