@@ -54,8 +54,8 @@ class PMIServer:
 
     def serve(self, sock, rank_pid: int) -> None:
         """Answer the MPI library at the other end of sock until it closes it (its process, rank_pid,
-        ended), killing that process if another rank aborts the job; the store's host then waits
-        for every rank's MPI to be done with the store."""
+        ended), killing that process if another rank aborts the job (not under kiln launch); the
+        store's host then waits for every rank's MPI to be done with the store."""
         if not os.environ.get("KILN_LAUNCH_STORE"):  # kiln launch's supervisor tears its gangs down itself
             threading.Thread(target=self._watch_abort, args=(rank_pid,), name="kiln-pmi-abort", daemon=True).start()
         for line in sock.makefile("rb"):
