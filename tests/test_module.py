@@ -104,7 +104,9 @@ def test_bf16_with_an_fp32_residual_is_closer_to_fp32_than_with_a_bf16_one():
     from kiln.train import apply_precision
     cfg = preset("tiny", n_layer=2, vocab_size=64, block_size=32)
     model = GPT(cfg, generator=kiln.Generator(7))
-    rng = np.random.default_rng()
+    # seeded: over 16 seeds the bf16 residual's median errors were 1.13-1.45x the fp32 residual's, but unseeded
+    # CI drew one where the LayerNorms' medians came out 0.98x (2026-12-07)
+    rng = np.random.default_rng(0)
     model.load_state_dict({n: p.numpy() + 0.1 * rng.standard_normal(p.shape) for n, p in model.named_parameters()})
     x, y = (kiln.tensor(rng.integers(0, 64, (4, 32))) for _ in range(2))
 
