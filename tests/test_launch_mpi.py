@@ -6,7 +6,12 @@ run ends with the unfaulted run's parameters, bit for bit, and no process left b
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +101,32 @@ def test_a_killed_ddp_rank_without_mpiexec_is_named_and_its_peer_aborted_through
     assert inc["evidence"] == "exit: killed by SIGKILL"
     assert inc["teardown"].startswith("rank(s) [0] aborted their communicators through the store"), inc["teardown"]
     _assert_recovered(run, reference)
+
+
+def test_sigterm_stops_an_mpi_gang_that_saves_first(tmp_path):
+    """SIGTERM to `kiln launch --mpi`: each rank's shell (which writes its command's exit status for the
+    supervisor) waits out the TERM its command gets in the same process group, so kiln train saves and
+    exits; the launcher returns 128 + SIGTERM."""
+    run = tmp_path / "run"
+    train = [*TRAIN[:TRAIN.index("--steps") + 1], 100000, *TRAIN[TRAIN.index("--steps") + 2:]]
+    env = {k: v for k, v in os.environ.items() if k != "KILN_FAULT"}
+    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--mpi", "--nproc", "2",
+           "--spike-z", "1000", "--", *map(str, train)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # a few steps trained
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no steps"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert "stopped by SIGTERM after step" in log and "saved" in log, log[-2000:]
+    assert CheckpointFolder(run / "checkpoints").checkpoints(), "nothing saved"
+    assert {p.name: p.read_text().strip() for p in (run / "logs").glob("rank-*.exit")} == {
+        "rank-0.exit": "143", "rank-1.exit": "143"}  # the shells outlived the TERM and wrote the command's status
+    assert processes_of(run) == []
 
 
 def test_a_stalled_collective_times_out_and_the_gang_restarts(reference, tmp_path):
