@@ -6,11 +6,8 @@ run ends with the unfaulted run's parameters, bit for bit, and no process left b
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -19,7 +16,7 @@ from safetensors.numpy import load_file
 
 from kiln.checkpoint import CheckpointFolder
 from kiln.launch.supervisor import newest_good_checkpoint
-from tests.launch_support import incidents, launch, processes_of
+from tests.launch_support import incidents, launch, processes_of, start_launch
 from tests.mpi_runner import mpiexec
 
 pytestmark = pytest.mark.dist
@@ -109,10 +106,7 @@ def test_sigterm_stops_an_mpi_gang_that_saves_first(tmp_path):
     exits; the launcher returns 128 + SIGTERM."""
     run = tmp_path / "run"
     train = [*TRAIN[:TRAIN.index("--steps") + 1], 100000, *TRAIN[TRAIN.index("--steps") + 2:]]
-    env = {k: v for k, v in os.environ.items() if k != "KILN_FAULT"}
-    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--mpi", "--nproc", "2",
-           "--spike-z", "1000", "--", *map(str, train)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_launch(run, train, "--mpi", "--nproc", 2, "--spike-z", 1000)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 90
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # a few steps trained
