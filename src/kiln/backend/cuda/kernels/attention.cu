@@ -1169,12 +1169,17 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attenti
         // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
         const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
         // Sᵀ and dPᵀ are issued together; P is formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs.
+        // Sᵀ and dPᵀ overwrite p and ds (scale-d 0 at the first k-step), except at D = 128, where ptxas then
+        // serialised the products for want of registers (C7512): zeroed there, before S is issued
+        constexpr bool kOverwrite = D < 128;
         float p[BQ / 8][4], ds[BQ / 8][4];
-        zero_acc(p);
-        zero_acc(ds);
-        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
-        wg_issue<T, BQ, D, BQ, D, 0>(p, ka, qb);
-        wg_issue<T, BQ, D, BQ, D, 0>(ds, va, gb);
+        if constexpr (!kOverwrite) {
+            zero_acc(p);
+            zero_acc(ds);
+            fence_regs(ds);  // not while S runs (ptxas would wait for it)
+        }
+        wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(p, ka, qb);
+        wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(ds, va, gb);
         wg_wait<1>();
         fence_regs(p);
 #pragma unroll
@@ -1257,12 +1262,9 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
         }
         const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
         // S and dP are issued together; P is formed while dP runs.
-        float p[BN / 8][4], ds[BN / 8][4];
-        zero_acc(p);
-        zero_acc(ds);
-        fence_regs(ds);  // zeroed before S is issued, not while it runs (ptxas would wait for it)
-        wg_issue<T, BN, D, BN, D, 0>(p, qa, kb);
-        wg_issue<T, BN, D, BN, D, 0>(ds, ga, vb);
+        float p[BN / 8][4], ds[BN / 8][4];  // S and dP overwrite them (scale-d 0 at the first k-step)
+        wg_issue<T, BN, D, BN, D, 0, true>(p, qa, kb);
+        wg_issue<T, BN, D, BN, D, 0, true>(ds, ga, vb);
         wg_wait<1>();
         fence_regs(p);
 #pragma unroll
