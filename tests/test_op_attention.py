@@ -56,20 +56,22 @@ def test_causal_self_attention_on_packed_qkv_matches_pytorch_and_finite_differen
 # --- attention ----------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["split", "fused-bulk"])
+@pytest.fixture(params=["split", "fused-bulk", "split-tma"])
 def bwd(request, monkeypatch):
-    """The backward tests run with both bf16/fp16 backwards (KILN_ATTENTION_BWD): the dK/dV and dQ
-    kernels, and the fused kernel that adds dQ in the hardware's order."""
+    """The backward tests run with every bf16/fp16 backward (KILN_ATTENTION_BWD): the dK/dV and dQ
+    kernels, the fused kernel that adds dQ in the hardware's order, and the split one with the
+    warp-specialised TMA dK/dV kernel."""
     monkeypatch.setenv("KILN_ATTENTION_BWD", request.param)
     return request.param
 
 
 def _fused_runs(bwd, dtype, d):
-    """Skips the fused case where the launcher runs the split kernels anyway (float32, head dims
-    other than 64 and 128): the same test twice."""
-    from kiln.backend.cuda.attention import FUSED_HEAD_DIMS
-    if bwd != "split" and (np.dtype(dtype) == np.float32 or d not in FUSED_HEAD_DIMS):
-        pytest.skip("the fused backward is bf16/fp16 at head dims 64 and 128; this case runs the split kernels")
+    """Skips a variant's case where the launcher runs the split kernels anyway (float32; head dims
+    other than 64 and 128 for the fused backward, other than 64 for split-tma): the same test twice."""
+    from kiln.backend.cuda.attention import DKDV_TMA_HEAD_DIMS, FUSED_HEAD_DIMS
+    dims = {"fused-bulk": FUSED_HEAD_DIMS, "split-tma": DKDV_TMA_HEAD_DIMS}.get(bwd)
+    if dims is not None and (np.dtype(dtype) == np.float32 or d not in dims):
+        pytest.skip(f"{bwd} is bf16/fp16 at head dims {dims}; this case runs the split kernels")
 
 ATT_SHAPES = [(1, 1, 3, 64), (2, 3, 65, 64), (1, 2, 200, 128), (1, 1, 33, 32), (2, 2, 100, 48),
               (4, 12, 256, 64),
@@ -290,6 +292,34 @@ def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, 
         assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
+def test_attention_bwd_dkdv_tma_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype):
+    """split-tma's dK/dV kernel (two consumer warpgroups of 64 keys, query tiles by TMA) makes the one-warpgroup
+    kernel's products over the same 64-row query tiles in the same order: dk and dv within a few ulps of split's
+    (every element written: NaN-filled destinations), dq the same kernel's, bit for bit."""
+    b, h, tq, tk, d = shape
+    xp = gpu.xp
+    q, g = (gpu.asarray(rand((b, h, tq, d), dtype, rng)) for _ in range(2))
+    k, v = (gpu.asarray(rand((b, h, tk, d), dtype, rng)) for _ in range(2))
+    scale = 1.0 / math.sqrt(d)
+    out, lse = gpu.attention_fwd(q, k, v, scale, causal=causal, offset=offset)
+    grads = {}
+    for variant in ("split", "split-tma"):
+        monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
+        into = tuple(xp.full(a.shape, xp.nan, dtype=a.dtype) for a in (q, k, v))
+        grads[variant] = [gpu.to_numpy(a).astype(np.float64) for a in
+                          gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
+    (dq, *dkv), (dq_ref, *dkv_ref) = grads["split-tma"], grads["split"]
+    assert np.array_equal(dq, dq_ref)
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    for got, ref in zip(dkv, dkv_ref):
+        close(gpu, got, ref, dtype)
+        bound = 4 * eps * (np.abs(ref) + 0.05 * np.abs(ref).max())
+        assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"
+
+
 def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
     from kiln.backend.cuda.attention import bwd_variant
     from kiln.errors import ConfigError
@@ -298,7 +328,7 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
     assert bwd_variant() == "fused-bulk"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")  # the ordered fused backward, removed on 2026-12-06
-    with pytest.raises(ConfigError, match="one of split, fused-bulk, got 'fused'"):
+    with pytest.raises(ConfigError, match="one of split, fused-bulk, split-tma, got 'fused'"):
         bwd_variant()
 
 

@@ -31,6 +31,10 @@ flash-attention 2 and 3's backwards), then `attention_bwd_dq_store` writes dq. G
 (2026-12-06, 6b8da99) it took 0.78-0.88x split's time at D = 64 (1.0x at 16x12x1024x64, 1.15x at
 32x12x512x64), 1.10-1.14x at D = 128; adding dQ in a fixed order behind semaphores instead, or per
 element with RED, was slower still at every shape (H100): both were removed.
+KILN_ATTENTION_BWD=split-tma (head dim 64; not yet run on a GPU) is split with its dK/dV kernel in the
+forward's structure (`attention_bwd_dkdv_tma`: a producer warpgroup loads each query tile's Q and dO by TMA
+into a ring of stages, its warp 1 their lse and delta; two consumer warpgroups of 64 keys share every
+stage, so a tile crosses into shared memory once for 128 keys).
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
 products need 64 rows at D = 64).
@@ -60,7 +64,7 @@ TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 war
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
-BWD_VARIANTS = ("split", "fused-bulk")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
+BWD_VARIANTS = ("split", "fused-bulk", "split-tma")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
 FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
 # The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
@@ -106,6 +110,12 @@ RESIDENT_BLOCKS = 3
 # a consumer asking for more than the pool holds waits forever (tests/test_kernel_compile.py checks)
 TMA_PRODUCER_REGS = 24
 TMA_CONSUMER_REGS = 240
+# attention_bwd_dkdv_tma (KILN_ATTENTION_BWD=split-tma): 128 keys a block (two consumer warpgroups of TC_ROWS),
+# query tiles of DKDV_TMA_Q rows in a ring of DKDV_TMA_STAGES stages (TmaDkdvShape), at these head dims
+DKDV_TMA_HEAD_DIMS = (64,)
+DKDV_TMA_KEYS = 2 * TC_ROWS
+DKDV_TMA_Q = 64
+DKDV_TMA_STAGES = 4
 
 
 def _instantiations():
@@ -122,6 +132,7 @@ def _instantiations():
             for pp in ("false", "true")]
     out += [f"attention_bwd_{k}<{t}, {d}>" for k in ("fused_tc", "dq_store") for t in FLOAT_CTYPES[1:]
             for d in FUSED_HEAD_DIMS]
+    out += [f"attention_bwd_dkdv_tma<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in DKDV_TMA_HEAD_DIMS]
     return out
 
 
@@ -132,7 +143,8 @@ register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_DKDV_BLOCKS": DKDV_TILES[64][1], "KILN_ATTN_DKDV_BLOCKS_D128": DKDV_TILES[128][1],
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
     "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
-    "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS})
+    "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS,
+    "KILN_ATTN_DKDV_TMA_Q": DKDV_TMA_Q, "KILN_ATTN_DKDV_TMA_STAGES": DKDV_TMA_STAGES})
 
 
 def _variant(env: str, variants: tuple[str, ...]) -> str:
@@ -278,11 +290,26 @@ def _mask_offset(q, k, causal: bool, offset: int) -> int:
     return int(offset)
 
 
+def dkdv_tma_shared_bytes(d: int) -> int:
+    """attention_bwd_dkdv_tma's dynamic shared memory (TmaDkdvShape): per stage a Q and a dO tile of DKDV_TMA_Q
+    rows and their lse and delta, the stages' full and empty mbarriers, and 1024 bytes to align the tiles."""
+    return DKDV_TMA_STAGES * (2 * DKDV_TMA_Q * d * 2 + 2 * DKDV_TMA_Q * 4 + 16) + 1024
+
+
 def _tile_maps(q, k, v):
     """The TMA forward's tensor maps of q, k and v; None where TMA cannot address one (a stride of
     0, a broadcast k or v, or one not a multiple of 16 bytes): the one-warpgroup forward reads those."""
     try:
         return tile_map(q, TMA_ROWS), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS)
+    except ShapeError:
+        return None
+
+
+def _dkdv_tile_maps(q, grad):
+    """attention_bwd_dkdv_tma's tensor maps of q and grad (tiles of DKDV_TMA_Q rows); None where TMA cannot
+    address one: the one-warpgroup dK/dV kernel reads those."""
+    try:
+        return tile_map(q, DKDV_TMA_Q), tile_map(grad, DKDV_TMA_Q)
     except ShapeError:
         return None
 
@@ -375,9 +402,18 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS
     else:
         (_, bk, bq), suffix, threads = block_rows(d), "", F32_THREADS
-    get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
-        (cdiv(n_k, bk), b * h), (threads,),
-        (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs), *_group(tc, b * h, cdiv(n_k, bk))))
+    maps = _dkdv_tile_maps(q, grad) if variant == "split-tma" and d in DKDV_TMA_HEAD_DIMS and n_q else None
+    if maps is not None:
+        n_kb = cdiv(n_k, DKDV_TMA_KEYS)
+        get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
+            (n_kb, b * h), (TMA_THREADS,),
+            (*maps, k, v, lse, delta, dk, dv, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(kvs, dkvs),
+             i32(head_group(b * h, n_kb, rt.sm_count()))),
+            shared_mem=dkdv_tma_shared_bytes(d))
+    else:
+        get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
+            (cdiv(n_k, bk), b * h), (threads,),
+            (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs), *_group(tc, b * h, cdiv(n_k, bk))))
     get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
         (cdiv(n_q, bq), b * h), (threads,),
         (q, k, v, grad, lse, delta, dq, *common, *_args(dqs), *_group(tc, b * h, cdiv(n_q, bq))))

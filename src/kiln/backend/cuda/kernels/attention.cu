@@ -1887,3 +1887,144 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     if (PingPong && me == 0) named_sync(kTmaTurnBarrier, 256);  // consumer 1's last turn passed on: none left
 }
+
+// ---- dK and dV with TMA and warp specialisation (KILN_ATTENTION_BWD=split-tma; the split backward's dQ kernel)
+//
+// attention_bwd_dkdv_tc's products for 128 keys a block instead of 64: warpgroup 0 is the producer (its
+// thread 0 issues the TMA loads of each query tile's Q and dO into a ring of STAGES stages; its warp 1
+// copies the tile's lse (in log2 units) and delta into the stage beside them), warpgroups 1 and 2 are the
+// consumers, 64 keys each (K and V fragments in registers, read once), sharing every stage: a query tile
+// crosses from L2 into shared memory once for 128 keys, where the one-warpgroup kernel moves it once for 64,
+// and no consumer thread spends instructions or a barrier on copies. A stage is full when the TMA bytes have
+// landed and warp 1's 32 lanes have arrived; empty when the 256 consumer threads have arrived, their
+// products on it waited for. One job a block (a grid in GroupedJob's order, rank 0 the first keys, which the
+// most query tiles see); at 384 threads and ~68 KiB a block is alone on its SM.
+template <int D> struct TmaDkdvShape {
+    static constexpr int BQ = KILN_ATTN_DKDV_TMA_Q;  // query rows a stage
+    static constexpr int STAGES = KILN_ATTN_DKDV_TMA_STAGES;
+    static constexpr int TILE_BYTES = SwTile<BQ, D>::BYTES;
+    static constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // Q, dO
+    // The stages, then lse and delta of each ([STAGES][2][BQ] floats), then the mbarriers (full[STAGES],
+    // empty[STAGES]); the launcher's dkdv_tma_shared_bytes adds 1024 for the alignment.
+    static constexpr int VEC_OFFSET = STAGES * STAGE_BYTES;
+    static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * BQ * 4;
+    static constexpr int BYTES = BAR_OFFSET + 8 * 2 * STAGES;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    attention_bwd_dkdv_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
+                           const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
+                           const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv, int n_q, int n_k,
+                           int off, int n_h, float scale, KILN_LAYOUT(kv), KILN_LAYOUT(dkv), int group) {
+    using Shape = TmaDkdvShape<D>;
+    constexpr int BQ = Shape::BQ, S = Shape::STAGES;
+    extern __shared__ unsigned char dsmem[];
+    const u32 base = align1024(dsmem);
+    const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S;
+    float* const vec = reinterpret_cast<float*>(dsmem + (base - smem_addr(dsmem)) + Shape::VEC_OFFSET);
+    const GroupedJob jb = grid_job(group);
+    const int n0 = jb.rank * 2 * kTcRows;  // this block's first key
+    const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
+    const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(full + 8 * s, 1 + 32);  // thread 0's arrive with the TMA bytes, warp 1's 32 lanes
+            mbar_init(empty + 8 * s, kTmaThreads - 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {  // the producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (threadIdx.x == 0) {
+            const int b = jb.bh / n_h, h = jb.bh % n_h;
+            for (int it = 0; it < n_tiles; ++it) {
+                const int s = it % S;
+                mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);  // the consumers are done with tile it - S
+                mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
+                const u32 st = base + s * Shape::STAGE_BYTES;
+                tma_tile<BQ, D>(st, q_map, q_begin + it * BQ, h, b, full + 8 * s);
+                tma_tile<BQ, D>(st + Shape::TILE_BYTES, g_map, q_begin + it * BQ, h, b, full + 8 * s);
+            }
+        } else if (warp == 1) {
+            const float* const l_row = lse + (long long)jb.bh * n_q;
+            const float* const d_row = delta + (long long)jb.bh * n_q;
+            for (int it = 0; it < n_tiles; ++it) {
+                const int s = it % S;
+                mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);
+                float* const l = vec + s * 2 * BQ;
+#pragma unroll
+                for (int i = lane; i < BQ; i += 32) {
+                    const int query = q_begin + it * BQ + i;
+                    l[i] = query < n_q ? l_row[query] * kLog2e : 0.0f;
+                    l[BQ + i] = query < n_q ? d_row[query] : 0.0f;
+                }
+                mbar_arrive(full + 8 * s);  // releases the stores above to the consumers' wait
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4 * wg, g = lane >> 2, c = lane & 3;
+    const int key0 = n0 + (wg - 1) * kTcRows + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
+    const float sl2 = scale * kLog2e;
+    u32 ka[D / 16][4], va[D / 16][4];
+    {
+        const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
+        frag_load_a<T, D>(ka, k + kvbase, (int)kv_st, key0, n_k);
+        frag_load_a<T, D>(va, v + kvbase, (int)kv_st, key0, n_k);
+    }
+    float dk_acc[D / 8][4], dv_acc[D / 8][4];
+    zero_acc(dk_acc);
+    zero_acc(dv_acc);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int s = it % S, q0 = q_begin + it * BQ;
+        const u32 qb = base + s * Shape::STAGE_BYTES, gb = qb + Shape::TILE_BYTES;
+        const float* const l = vec + s * 2 * BQ;
+        // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
+        const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
+        float p[BQ / 8][4], ds[BQ / 8][4];  // Sᵀ and dPᵀ overwrite them
+        mbar_wait(full + 8 * s, (it / S) & 1);
+        wg_issue<T, BQ, D, BQ, D, 0, true>(p, ka, qb);   // Sᵀ = K·Qᵀ
+        wg_issue<T, BQ, D, BQ, D, 0, true>(ds, va, gb);  // dPᵀ = V·dOᵀ
+        wg_wait<1>();
+        fence_regs(p);
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+            const float2 lq = *reinterpret_cast<const float2*>(&l[j * 8 + 2 * c]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int query = q0 + j * 8 + 2 * c + (e & 1), key = e < 2 ? key_lo : key_hi;
+                const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x));
+                p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
+            }
+        }
+        u32 pa[BQ / 16][4];
+        c_to_a<T, BQ>(pa, p);
+        wg_wait<0>();
+        fence_regs(ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);  // dV += Pᵀ·dO, while dSᵀ is formed
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+            const float2 dl = *reinterpret_cast<const float2*>(&l[BQ + j * 8 + 2 * c]);
+            ds[j][0] = p[j][0] * (ds[j][0] - dl.x);
+            ds[j][1] = p[j][1] * (ds[j][1] - dl.y);
+            ds[j][2] = p[j][2] * (ds[j][2] - dl.x);
+            ds[j][3] = p[j][3] * (ds[j][3] - dl.y);
+        }
+        u32 da[BQ / 16][4];
+        c_to_a<T, BQ>(da, ds);
+        wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);  // dK += dSᵀ·Q
+        wg_wait<0>();
+        fence_regs(dv_acc);
+        fence_regs(dk_acc);
+        mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
+    }
+    const GroupedJob tail = grid_job(group);  // read afresh, not kept across the loop
+    const long long gbase = head_offset(tail.bh, n_h, dkv_sb, dkv_sh);
+    frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
+    frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
+}
