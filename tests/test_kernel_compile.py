@@ -141,12 +141,12 @@ def test_compiling_leaves_python_bytes_alone():
 
 
 def test_attention_tma_launch_registers_cover_the_setmaxnreg_split():
-    """attention_fwd_tma's and attention_bwd_dkdv_tma's consumers raise their registers with setmaxnreg.inc,
+    """attention_fwd_tma's and the split-tma backward's consumers raise their registers with setmaxnreg.inc,
     which waits until the block's pool (the registers ptxas gives each of the 384 threads at launch) holds
     them: a launch count below the producer's 128 x 24 plus the consumers' 256 x 240 would hang every launch."""
     from kiln.backend.cuda import attention
-    exprs = [e for e in FAMILIES["attention.cu"] if e.startswith(("attention_fwd_tma<", "attention_bwd_dkdv_tma<"))]
-    assert any(e.startswith("attention_bwd_dkdv_tma<") for e in exprs)
+    exprs = [e for e in FAMILIES["attention.cu"] if e.startswith("attention_") and "_tma<" in e]
+    assert {e.split("<")[0] for e in exprs} == {"attention_fwd_tma", "attention_bwd_dkdv_tma", "attention_bwd_dq_tma"}
     result = compiler.compile_family("attention.cu", ARCH, name_expressions=exprs, verbose_ptxas=True)
     report = compiler.ptxas_report(result.log)
     need = 128 * attention.TMA_PRODUCER_REGS + (attention.TMA_THREADS - 128) * attention.TMA_CONSUMER_REGS

@@ -68,8 +68,8 @@ def bwd(request, monkeypatch):
 def _fused_runs(bwd, dtype, d):
     """Skips a variant's case where the launcher runs the split kernels anyway (float32; head dims
     other than 64 and 128 for the fused backward, other than 64 for split-tma): the same test twice."""
-    from kiln.backend.cuda.attention import DKDV_TMA_HEAD_DIMS, FUSED_HEAD_DIMS
-    dims = {"fused-bulk": FUSED_HEAD_DIMS, "split-tma": DKDV_TMA_HEAD_DIMS}.get(bwd)
+    from kiln.backend.cuda.attention import BWD_TMA_HEAD_DIMS, FUSED_HEAD_DIMS
+    dims = {"fused-bulk": FUSED_HEAD_DIMS, "split-tma": BWD_TMA_HEAD_DIMS}.get(bwd)
     if dims is not None and (np.dtype(dtype) == np.float32 or d not in dims):
         pytest.skip(f"{bwd} is bf16/fp16 at head dims {dims}; this case runs the split kernels")
 
@@ -295,10 +295,10 @@ def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
-def test_attention_bwd_dkdv_tma_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype):
-    """split-tma's dK/dV kernel (two consumer warpgroups of 64 keys, query tiles by TMA) makes the one-warpgroup
-    kernel's products over the same 64-row query tiles in the same order: dk and dv within a few ulps of split's
-    (every element written: NaN-filled destinations), dq the same kernel's, bit for bit."""
+def test_attention_bwd_tma_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype):
+    """split-tma's kernels (two consumer warpgroups of 64 rows, the streamed tiles by TMA) make the one-warpgroup
+    kernels' products over the same 64-row tiles in the same order: dq, dk and dv within a few ulps of split's
+    (every element written: NaN-filled destinations)."""
     b, h, tq, tk, d = shape
     xp = gpu.xp
     q, g = (gpu.asarray(rand((b, h, tq, d), dtype, rng)) for _ in range(2))
@@ -311,10 +311,8 @@ def test_attention_bwd_dkdv_tma_equals_split(gpu, rng, monkeypatch, shape, causa
         into = tuple(xp.full(a.shape, xp.nan, dtype=a.dtype) for a in (q, k, v))
         grads[variant] = [gpu.to_numpy(a).astype(np.float64) for a in
                           gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
-    (dq, *dkv), (dq_ref, *dkv_ref) = grads["split-tma"], grads["split"]
-    assert np.array_equal(dq, dq_ref)
     eps = float(ml_dtypes.finfo(dtype).eps)
-    for got, ref in zip(dkv, dkv_ref):
+    for got, ref in zip(grads["split-tma"], grads["split"]):
         close(gpu, got, ref, dtype)
         bound = 4 * eps * (np.abs(ref) + 0.05 * np.abs(ref).max())
         assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"

@@ -31,10 +31,10 @@ flash-attention 2 and 3's backwards), then `attention_bwd_dq_store` writes dq. G
 (2026-12-06, 6b8da99) it took 0.78-0.88x split's time at D = 64 (1.0x at 16x12x1024x64, 1.15x at
 32x12x512x64), 1.10-1.14x at D = 128; adding dQ in a fixed order behind semaphores instead, or per
 element with RED, was slower still at every shape (H100): both were removed.
-KILN_ATTENTION_BWD=split-tma (head dim 64; not yet run on a GPU) is split with its dK/dV kernel in the
-forward's structure (`attention_bwd_dkdv_tma`: a producer warpgroup loads each query tile's Q and dO by TMA
-into a ring of stages, its warp 1 their lse and delta; two consumer warpgroups of 64 keys share every
-stage, so a tile crosses into shared memory once for 128 keys).
+KILN_ATTENTION_BWD=split-tma (head dim 64; not yet run on a GPU) is split with both kernels in the TMA
+forward's structure (`attention_bwd_dkdv_tma`, `attention_bwd_dq_tma`: a producer warpgroup loads the streamed
+tiles by TMA into a ring of stages, Q and dO for dK/dV (its warp 1 their lse and delta), K and V for dQ; two
+consumer warpgroups of 64 rows share every stage, so a tile crosses into shared memory once for 128 rows).
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
 products need 64 rows at D = 64).
@@ -110,12 +110,13 @@ RESIDENT_BLOCKS = 3
 # a consumer asking for more than the pool holds waits forever (tests/test_kernel_compile.py checks)
 TMA_PRODUCER_REGS = 24
 TMA_CONSUMER_REGS = 240
-# attention_bwd_dkdv_tma (KILN_ATTENTION_BWD=split-tma): 128 keys a block (two consumer warpgroups of TC_ROWS),
-# query tiles of DKDV_TMA_Q rows in a ring of DKDV_TMA_STAGES stages (TmaDkdvShape), at these head dims
-DKDV_TMA_HEAD_DIMS = (64,)
-DKDV_TMA_KEYS = 2 * TC_ROWS
-DKDV_TMA_Q = 64
-DKDV_TMA_STAGES = 4
+# attention_bwd_dkdv_tma and attention_bwd_dq_tma (KILN_ATTENTION_BWD=split-tma): BWD_TMA_BLOCK_ROWS keys
+# or queries a block (two consumer warpgroups of TC_ROWS), the other operand streamed in tiles of BWD_TMA_ROWS
+# rows through a ring of BWD_TMA_STAGES stages (TmaBwdShape), at these head dims
+BWD_TMA_HEAD_DIMS = (64,)
+BWD_TMA_BLOCK_ROWS = 2 * TC_ROWS
+BWD_TMA_ROWS = 64
+BWD_TMA_STAGES = 4
 
 
 def _instantiations():
@@ -132,7 +133,8 @@ def _instantiations():
             for pp in ("false", "true")]
     out += [f"attention_bwd_{k}<{t}, {d}>" for k in ("fused_tc", "dq_store") for t in FLOAT_CTYPES[1:]
             for d in FUSED_HEAD_DIMS]
-    out += [f"attention_bwd_dkdv_tma<{t}, {d}>" for t in FLOAT_CTYPES[1:] for d in DKDV_TMA_HEAD_DIMS]
+    out += [f"attention_bwd_{k}_tma<{t}, {d}>" for k in ("dkdv", "dq") for t in FLOAT_CTYPES[1:]
+            for d in BWD_TMA_HEAD_DIMS]
     return out
 
 
@@ -144,7 +146,7 @@ register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
     "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
     "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS,
-    "KILN_ATTN_DKDV_TMA_Q": DKDV_TMA_Q, "KILN_ATTN_DKDV_TMA_STAGES": DKDV_TMA_STAGES})
+    "KILN_ATTN_BWD_TMA_ROWS": BWD_TMA_ROWS, "KILN_ATTN_BWD_TMA_STAGES": BWD_TMA_STAGES})
 
 
 def _variant(env: str, variants: tuple[str, ...]) -> str:
@@ -290,10 +292,10 @@ def _mask_offset(q, k, causal: bool, offset: int) -> int:
     return int(offset)
 
 
-def dkdv_tma_shared_bytes(d: int) -> int:
-    """attention_bwd_dkdv_tma's dynamic shared memory (TmaDkdvShape): per stage a Q and a dO tile of DKDV_TMA_Q
-    rows and their lse and delta, the stages' full and empty mbarriers, and 1024 bytes to align the tiles."""
-    return DKDV_TMA_STAGES * (2 * DKDV_TMA_Q * d * 2 + 2 * DKDV_TMA_Q * 4 + 16) + 1024
+def bwd_tma_shared_bytes(d: int) -> int:
+    """The split-tma kernels' dynamic shared memory (TmaBwdShape): per stage two tiles of BWD_TMA_ROWS rows
+    and (dK/dV's) their lse and delta, the stages' full and empty mbarriers, and 1024 bytes to align the tiles."""
+    return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + 1024
 
 
 def _tile_maps(q, k, v):
@@ -305,11 +307,11 @@ def _tile_maps(q, k, v):
         return None
 
 
-def _dkdv_tile_maps(q, grad):
-    """attention_bwd_dkdv_tma's tensor maps of q and grad (tiles of DKDV_TMA_Q rows); None where TMA cannot
-    address one: the one-warpgroup dK/dV kernel reads those."""
+def _bwd_tile_maps(a, b):
+    """The split-tma kernels' tensor maps of the operands they stream (q and grad for dK/dV, k and v for dQ;
+    tiles of BWD_TMA_ROWS rows); None where TMA cannot address one: the one-warpgroup kernel reads those."""
     try:
-        return tile_map(q, DKDV_TMA_Q), tile_map(grad, DKDV_TMA_Q)
+        return tile_map(a, BWD_TMA_ROWS), tile_map(b, BWD_TMA_ROWS)
     except ShapeError:
         return None
 
@@ -402,21 +404,31 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS
     else:
         (_, bk, bq), suffix, threads = block_rows(d), "", F32_THREADS
-    maps = _dkdv_tile_maps(q, grad) if variant == "split-tma" and d in DKDV_TMA_HEAD_DIMS and n_q else None
+    tma = variant == "split-tma" and d in BWD_TMA_HEAD_DIMS and n_q > 0 and n_k > 0
+    maps = _bwd_tile_maps(q, grad) if tma else None
     if maps is not None:
-        n_kb = cdiv(n_k, DKDV_TMA_KEYS)
+        n_kb = cdiv(n_k, BWD_TMA_BLOCK_ROWS)
         get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
             (n_kb, b * h), (TMA_THREADS,),
             (*maps, k, v, lse, delta, dk, dv, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(kvs, dkvs),
              i32(head_group(b * h, n_kb, rt.sm_count()))),
-            shared_mem=dkdv_tma_shared_bytes(d))
+            shared_mem=bwd_tma_shared_bytes(d))
     else:
         get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
             (cdiv(n_k, bk), b * h), (threads,),
             (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs), *_group(tc, b * h, cdiv(n_k, bk))))
-    get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
-        (cdiv(n_q, bq), b * h), (threads,),
-        (q, k, v, grad, lse, delta, dq, *common, *_args(dqs), *_group(tc, b * h, cdiv(n_q, bq))))
+    maps = _bwd_tile_maps(k, v) if tma else None
+    if maps is not None:
+        n_qb = cdiv(n_q, BWD_TMA_BLOCK_ROWS)
+        get_kernel("attention.cu", f"attention_bwd_dq_tma<{t}, {d}>")(
+            (n_qb, b * h), (TMA_THREADS,),
+            (*maps, q, grad, lse, delta, dq, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, gs, dqs),
+             i32(head_group(b * h, n_qb, rt.sm_count()))),
+            shared_mem=bwd_tma_shared_bytes(d))
+    else:
+        get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
+            (cdiv(n_q, bq), b * h), (threads,),
+            (q, k, v, grad, lse, delta, dq, *common, *_args(dqs), *_group(tc, b * h, cdiv(n_q, bq))))
     return _fill(into, (dq, dk, dv))
 
 

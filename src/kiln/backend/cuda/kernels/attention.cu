@@ -1888,37 +1888,40 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     if (PingPong && me == 0) named_sync(kTmaTurnBarrier, 256);  // consumer 1's last turn passed on: none left
 }
 
-// ---- dK and dV with TMA and warp specialisation (KILN_ATTENTION_BWD=split-tma; the split backward's dQ kernel)
+// ---- The split backward with TMA and warp specialisation (KILN_ATTENTION_BWD=split-tma) ----------------
 //
-// attention_bwd_dkdv_tc's products for 128 keys a block instead of 64: warpgroup 0 is the producer (its
-// thread 0 issues the TMA loads of each query tile's Q and dO into a ring of STAGES stages; its warp 1
-// copies the tile's lse (in log2 units) and delta into the stage beside them), warpgroups 1 and 2 are the
-// consumers, 64 keys each (K and V fragments in registers, read once), sharing every stage: a query tile
-// crosses from L2 into shared memory once for 128 keys, where the one-warpgroup kernel moves it once for 64,
-// and no consumer thread spends instructions or a barrier on copies. A stage is full when the TMA bytes have
-// landed and warp 1's 32 lanes have arrived; empty when the 256 consumer threads have arrived, their
-// products on it waited for. One job a block (a grid in GroupedJob's order, rank 0 the first keys, which the
-// most query tiles see); at 384 threads and ~68 KiB a block is alone on its SM.
-template <int D> struct TmaDkdvShape {
-    static constexpr int BQ = KILN_ATTN_DKDV_TMA_Q;  // query rows a stage
-    static constexpr int STAGES = KILN_ATTN_DKDV_TMA_STAGES;
-    static constexpr int TILE_BYTES = SwTile<BQ, D>::BYTES;
-    static constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // Q, dO
-    // The stages, then lse and delta of each ([STAGES][2][BQ] floats), then the mbarriers (full[STAGES],
-    // empty[STAGES]); the launcher's dkdv_tma_shared_bytes adds 1024 for the alignment.
+// attention_bwd_dkdv_tc's and attention_bwd_dq_tc's products for 128 rows a block instead of 64, in the TMA
+// forward's structure: warpgroup 0 is the producer (its thread 0 issues the TMA loads of each streamed tile
+// pair into a ring of STAGES stages: Q and dO for dK/dV, K and V for dQ), warpgroups 1 and 2 are the consumers,
+// 64 rows each (their own operands in registers, read once), sharing every stage: a tile crosses from L2 into
+// shared memory once for 128 rows, where the one-warpgroup kernels move it once for 64, and no consumer thread
+// spends instructions or a barrier on copies. A stage is empty when the 256 consumer threads have arrived,
+// their products on it waited for; a consumer whose rows the tile is hidden from (causal) skips its products
+// and only arrives. One job a block (a grid in GroupedJob's order, rank 0 the longest rows); at 384 threads
+// and ~68 KiB a block is alone on its SM.
+template <int D> struct TmaBwdShape {
+    static constexpr int ROWS = KILN_ATTN_BWD_TMA_ROWS;  // rows of a streamed tile
+    static constexpr int STAGES = KILN_ATTN_BWD_TMA_STAGES;
+    static constexpr int TILE_BYTES = SwTile<ROWS, D>::BYTES;
+    static constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // Q and dO, or K and V
+    // The stages, then (dK/dV) the lse and delta of each ([STAGES][2][ROWS] floats), then the mbarriers
+    // (full[STAGES], empty[STAGES]); the launcher's bwd_tma_shared_bytes adds 1024 for the alignment.
     static constexpr int VEC_OFFSET = STAGES * STAGE_BYTES;
-    static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * BQ * 4;
+    static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
     static constexpr int BYTES = BAR_OFFSET + 8 * 2 * STAGES;
 };
 
+// dK and dV for 128 keys: the producer's warp 1 copies each query tile's lse (in log2 units) and delta into
+// the stage beside its Q and dO, so a stage is full when the TMA bytes have landed and warp 1's 32 lanes have
+// arrived.
 template <typename T, int D>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dkdv_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
                            const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv, int n_q, int n_k,
                            int off, int n_h, float scale, KILN_LAYOUT(kv), KILN_LAYOUT(dkv), int group) {
-    using Shape = TmaDkdvShape<D>;
-    constexpr int BQ = Shape::BQ, S = Shape::STAGES;
+    using Shape = TmaBwdShape<D>;
+    constexpr int BQ = Shape::ROWS, S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S;
@@ -1986,8 +1989,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const float* const l = vec + s * 2 * BQ;
         // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
         const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
-        float p[BQ / 8][4], ds[BQ / 8][4];  // Sᵀ and dPᵀ overwrite them
         mbar_wait(full + 8 * s, (it / S) & 1);
+        if (q0 + BQ - 1 + off < n0 + (wg - 1) * kTcRows) {  // every query of the tile before this warpgroup's keys
+            mbar_arrive(empty + 8 * s);
+            continue;
+        }
+        float p[BQ / 8][4], ds[BQ / 8][4];  // Sᵀ and dPᵀ overwrite them
         wg_issue<T, BQ, D, BQ, D, 0, true>(p, ka, qb);   // Sᵀ = K·Qᵀ
         wg_issue<T, BQ, D, BQ, D, 0, true>(ds, va, gb);  // dPᵀ = V·dOᵀ
         wg_wait<1>();
@@ -2027,4 +2034,104 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const long long gbase = head_offset(tail.bh, n_h, dkv_sb, dkv_sh);
     frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
     frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
+}
+
+// dQ for 128 queries (consumer 0 the first 64, which see fewer keys): S = Q·Kᵀ, P = exp(S - lse),
+// dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K, over the key tiles the block's last row sees.
+template <typename T, int D>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    attention_bwd_dq_tma(const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map,
+                         const T* __restrict__ q, const T* __restrict__ grad, const float* __restrict__ lse,
+                         const float* __restrict__ delta, T* __restrict__ dq, int n_q, int n_k, int off, int n_h,
+                         float scale, KILN_LAYOUT(q), KILN_LAYOUT(o), KILN_LAYOUT(dq), int group) {
+    using Shape = TmaBwdShape<D>;
+    constexpr int BN = Shape::ROWS, S = Shape::STAGES;
+    extern __shared__ unsigned char dsmem[];
+    const u32 base = align1024(dsmem);
+    const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S;
+    const GroupedJob jb = grid_job(group);
+    const int m0 = (gridDim.x - 1 - jb.rank) * 2 * kTcRows;  // the longest rows first
+    const int k_end = min(n_k, min(m0 + 2 * kTcRows, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, kTmaThreads - 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 0) {  // the producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
+        if (threadIdx.x != 0) return;
+        const int b = jb.bh / n_h, h = jb.bh % n_h;
+        for (int it = 0; it < n_tiles; ++it) {
+            const int s = it % S;
+            mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);  // the consumers are done with tile it - S
+            mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
+            const u32 st = base + s * Shape::STAGE_BYTES;
+            tma_tile<BN, D>(st, k_map, it * BN, h, b, full + 8 * s);
+            tma_tile<BN, D>(st + Shape::TILE_BYTES, v_map, it * BN, h, b, full + 8 * s);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4 * wg, g = lane >> 2, c = lane & 3;
+    const int wg_row0 = m0 + (wg - 1) * kTcRows;
+    const int row0 = wg_row0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
+    // keys this warpgroup's rows see (none where they all lie past n_q)
+    const int wg_k_end = wg_row0 < n_q ? min(n_k, min(wg_row0 + kTcRows, n_q) - 1 + off + 1) : 0;
+    const float sl2 = scale * kLog2e;
+    u32 qa[D / 16][4], ga[D / 16][4];
+    frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
+    frag_load_a<T, D>(ga, grad + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
+    const float* const l_row = lse + (long long)jb.bh * n_q;
+    const float* const d_row = delta + (long long)jb.bh * n_q;
+    const float lse_lo = r_lo < n_q ? l_row[r_lo] * kLog2e : 0.0f;
+    const float lse_hi = r_hi < n_q ? l_row[r_hi] * kLog2e : 0.0f;
+    const float dl_lo = r_lo < n_q ? d_row[r_lo] : 0.0f;
+    const float dl_hi = r_hi < n_q ? d_row[r_hi] : 0.0f;
+    float dq_acc[D / 8][4];
+    zero_acc(dq_acc);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int s = it % S, n0 = it * BN;
+        const u32 kb = base + s * Shape::STAGE_BYTES, vb = kb + Shape::TILE_BYTES;
+        mbar_wait(full + 8 * s, (it / S) & 1);
+        if (n0 >= wg_k_end) {  // every key of the tile after this warpgroup's rows (none seen: dq stays 0)
+            mbar_arrive(empty + 8 * s);
+            continue;
+        }
+        const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
+        float p[BN / 8][4], ds[BN / 8][4];  // S and dP overwrite them
+        wg_issue<T, BN, D, BN, D, 0, true>(p, qa, kb);   // S = Q·Kᵀ
+        wg_issue<T, BN, D, BN, D, 0, true>(ds, ga, vb);  // dP = dO·Vᵀ
+        wg_wait<1>();
+        fence_regs(p);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + j * 8 + 2 * c + (e & 1);
+                const int row = e < 2 ? r_lo : r_hi;
+                const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
+                p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
+            }
+        }
+        wg_wait<0>();
+        fence_regs(ds);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
+            ds[j][1] = p[j][1] * (ds[j][1] - dl_lo);
+            ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
+            ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
+        }
+        u32 da[BN / 16][4];
+        c_to_a<T, BN>(da, ds);
+        wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);  // dQ += dS·K
+        mbar_arrive(empty + 8 * s);
+    }
+    const GroupedJob tail = grid_job(group);  // read afresh, not kept across the loop
+    frag_store<T, D>(dq + head_offset(tail.bh, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
 }
