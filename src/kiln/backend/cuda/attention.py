@@ -35,6 +35,8 @@ KILN_ATTENTION_BWD=split-tma (head dim 64; not yet run on a GPU) is split with b
 forward's structure (`attention_bwd_dkdv_tma`, `attention_bwd_dq_tma`: a producer warpgroup loads the streamed
 tiles by TMA into a ring of stages, Q and dO for dK/dV (its warp 1 their lse and delta), K and V for dQ; two
 consumer warpgroups of 64 rows share every stage, so a tile crosses into shared memory once for 128 rows).
+Its dQ kernel runs first and forms delta itself (rowsum(dO·O) from its consumers' dO and O fragments, written
+for dK/dV): no delta kernel.
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
 products need 64 rows at D = 64).
@@ -307,11 +309,11 @@ def _tile_maps(q, k, v):
         return None
 
 
-def _bwd_tile_maps(a, b):
+def _bwd_tile_maps(*arrays):
     """The split-tma kernels' tensor maps of the operands they stream (q and grad for dK/dV, k and v for dQ;
-    tiles of BWD_TMA_ROWS rows); None where TMA cannot address one: the one-warpgroup kernel reads those."""
+    tiles of BWD_TMA_ROWS rows); None where TMA cannot address one: the one-warpgroup kernels run then."""
     try:
-        return tile_map(a, BWD_TMA_ROWS), tile_map(b, BWD_TMA_ROWS)
+        return tuple(tile_map(a, BWD_TMA_ROWS) for a in arrays)
     except ShapeError:
         return None
 
@@ -374,18 +376,32 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     (q,), qs = _layout([q])
     (k, v), kvs = _layout([a.astype(q.dtype, copy=False) for a in (k, v)])
     (grad,), gs = _layout([grad.astype(q.dtype, copy=False)])
-    (out,), os_ = _layout([out.astype(q.dtype, copy=False)])  # read by the delta kernel only
+    (out,), os_ = _layout([out.astype(q.dtype, copy=False)])  # read for delta only
     lse = cp.ascontiguousarray(lse.astype(cp.float32, copy=False))
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     (dq,), dqs = _destinations(None if into is None else into[:1], q)
     (dk, dv), dkvs = _destinations(None if into is None else into[1:], k, 2)
     delta = cp.empty((b, h, n_q), dtype=cp.float32)
+    variant = bwd_variant() if tc and d in FUSED_HEAD_DIMS else "split"
+    maps = _bwd_tile_maps(q, grad, k, v) if variant == "split-tma" and d in BWD_TMA_HEAD_DIMS and n_q and n_k else None
+    if maps is not None:  # dQ first: its consumers form delta from their dO and O fragments, which dK/dV reads
+        q_map, g_map, k_map, v_map = maps
+        n_qb, n_kb, sms = cdiv(n_q, BWD_TMA_BLOCK_ROWS), cdiv(n_k, BWD_TMA_BLOCK_ROWS), rt.sm_count()
+        ints = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale))
+        get_kernel("attention.cu", f"attention_bwd_dq_tma<{t}, {d}>")(
+            (n_qb, b * h), (TMA_THREADS,),
+            (k_map, v_map, q, grad, out, lse, delta, dq, *ints, *_args(qs, gs, os_, dqs),
+             i32(head_group(b * h, n_qb, sms))), shared_mem=bwd_tma_shared_bytes(d))
+        get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
+            (n_kb, b * h), (TMA_THREADS,),
+            (q_map, g_map, k, v, lse, delta, dk, dv, *ints, *_args(kvs, dkvs), i32(head_group(b * h, n_kb, sms))),
+            shared_mem=bwd_tma_shared_bytes(d))
+        return _fill(into, (dq, dk, dv))
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
         (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,),
         (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(gs, os_)))
     common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, gs))
-    variant = bwd_variant() if tc and d in FUSED_HEAD_DIMS else "split"
     if variant == "fused-bulk":
         # dQ in fp32 [B·H, n_qt, BQ·D], zeroed; every key block adds its tiles (in whatever order the blocks
         # run), then attention_bwd_dq_store writes dq
@@ -404,31 +420,12 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS
     else:
         (_, bk, bq), suffix, threads = block_rows(d), "", F32_THREADS
-    tma = variant == "split-tma" and d in BWD_TMA_HEAD_DIMS and n_q > 0 and n_k > 0
-    maps = _bwd_tile_maps(q, grad) if tma else None
-    if maps is not None:
-        n_kb = cdiv(n_k, BWD_TMA_BLOCK_ROWS)
-        get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
-            (n_kb, b * h), (TMA_THREADS,),
-            (*maps, k, v, lse, delta, dk, dv, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(kvs, dkvs),
-             i32(head_group(b * h, n_kb, rt.sm_count()))),
-            shared_mem=bwd_tma_shared_bytes(d))
-    else:
-        get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
-            (cdiv(n_k, bk), b * h), (threads,),
-            (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs), *_group(tc, b * h, cdiv(n_k, bk))))
-    maps = _bwd_tile_maps(k, v) if tma else None
-    if maps is not None:
-        n_qb = cdiv(n_q, BWD_TMA_BLOCK_ROWS)
-        get_kernel("attention.cu", f"attention_bwd_dq_tma<{t}, {d}>")(
-            (n_qb, b * h), (TMA_THREADS,),
-            (*maps, q, grad, lse, delta, dq, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, gs, dqs),
-             i32(head_group(b * h, n_qb, rt.sm_count()))),
-            shared_mem=bwd_tma_shared_bytes(d))
-    else:
-        get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
-            (cdiv(n_q, bq), b * h), (threads,),
-            (q, k, v, grad, lse, delta, dq, *common, *_args(dqs), *_group(tc, b * h, cdiv(n_q, bq))))
+    get_kernel("attention.cu", f"attention_bwd_dkdv{suffix}<{t}, {d}>")(
+        (cdiv(n_k, bk), b * h), (threads,),
+        (q, k, v, grad, lse, delta, dk, dv, *common, *_args(dkvs), *_group(tc, b * h, cdiv(n_k, bk))))
+    get_kernel("attention.cu", f"attention_bwd_dq{suffix}<{t}, {d}>")(
+        (cdiv(n_q, bq), b * h), (threads,),
+        (q, k, v, grad, lse, delta, dq, *common, *_args(dqs), *_group(tc, b * h, cdiv(n_q, bq))))
     return _fill(into, (dq, dk, dv))
 
 

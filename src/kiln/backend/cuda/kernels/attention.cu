@@ -2036,14 +2036,25 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
 }
 
+// The dot product of two pairs of 16-bit values (each a u32 of a fragment), in fp32.
+template <typename T> __device__ __forceinline__ float dot2(u32 a, u32 b) {
+    const T* x = reinterpret_cast<const T*>(&a);
+    const T* y = reinterpret_cast<const T*>(&b);
+    return fmaf(to_float(x[1]), to_float(y[1]), to_float(x[0]) * to_float(y[0]));
+}
+
 // dQ for 128 queries (consumer 0 the first 64, which see fewer keys): S = Q·Kᵀ, P = exp(S - lse),
-// dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K, over the key tiles the block's last row sees.
+// dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K, over the key tiles the block's last row sees. It runs
+// before dK/dV and forms delta = rowsum(dO∘O) itself (attention_bwd_delta's work): each thread's dO
+// fragments and the same fragments of O give its part of its two rows' sums, the quad adds them, and
+// lane 0 of the quad writes them for the dK/dV kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dq_tma(const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map,
-                         const T* __restrict__ q, const T* __restrict__ grad, const float* __restrict__ lse,
-                         const float* __restrict__ delta, T* __restrict__ dq, int n_q, int n_k, int off, int n_h,
-                         float scale, KILN_LAYOUT(q), KILN_LAYOUT(o), KILN_LAYOUT(dq), int group) {
+                         const T* __restrict__ q, const T* __restrict__ grad, const T* __restrict__ out,
+                         const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq, int n_q,
+                         int n_k, int off, int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(o), KILN_LAYOUT(out),
+                         KILN_LAYOUT(dq), int group) {
     using Shape = TmaBwdShape<D>;
     constexpr int BN = Shape::ROWS, S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
@@ -2087,11 +2098,26 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
     frag_load_a<T, D>(ga, grad + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
     const float* const l_row = lse + (long long)jb.bh * n_q;
-    const float* const d_row = delta + (long long)jb.bh * n_q;
     const float lse_lo = r_lo < n_q ? l_row[r_lo] * kLog2e : 0.0f;
     const float lse_hi = r_hi < n_q ? l_row[r_hi] * kLog2e : 0.0f;
-    const float dl_lo = r_lo < n_q ? d_row[r_lo] : 0.0f;
-    const float dl_hi = r_hi < n_q ? d_row[r_hi] : 0.0f;
+    float dl_lo = 0.0f, dl_hi = 0.0f;  // delta of rows r_lo and r_hi (0 past n_q: zero fragments)
+    {
+        u32 oa[D / 16][4];
+        frag_load_a<T, D>(oa, out + head_offset(jb.bh, n_h, out_sb, out_sh), (int)out_st, row0, n_q);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            dl_lo += dot2<T>(ga[kk][0], oa[kk][0]) + dot2<T>(ga[kk][2], oa[kk][2]);
+            dl_hi += dot2<T>(ga[kk][1], oa[kk][1]) + dot2<T>(ga[kk][3], oa[kk][3]);
+        }
+#pragma unroll
+        for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+            dl_lo += __shfl_xor_sync(0xffffffffu, dl_lo, o_);
+            dl_hi += __shfl_xor_sync(0xffffffffu, dl_hi, o_);
+        }
+        float* const d_row = delta + (long long)jb.bh * n_q;
+        if (c == 0 && r_lo < n_q) d_row[r_lo] = dl_lo;
+        if (c == 0 && r_hi < n_q) d_row[r_hi] = dl_hi;
+    }
     float dq_acc[D / 8][4];
     zero_acc(dq_acc);
     for (int it = 0; it < n_tiles; ++it) {
