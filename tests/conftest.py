@@ -6,10 +6,17 @@ float64, tolerances per dtype (float32 <= 1e-5, bfloat16 <= 1e-2, float16 <= 2e-
 inputs rounded to the tested dtype (`rand`, never zeros), and the `gpu` fixture whose kernel
 wrappers allocate NaN-poisoned arrays, so an element a kernel forgets to write fails the
 comparison. Run those on a GPU machine with `pytest -m cuda`.
+
+Random inputs are reproducible: every `np.random.default_rng()` a test makes without a seed is seeded from
+the run's seed and the test's id, so a test draws the same inputs on every machine and a red run can be
+replayed. The run's seed is 0 unless `KILN_TEST_SEED` names another, or `random` for fresh draws (the header
+prints the seed drawn, to replay a failure: `KILN_TEST_SEED=<seed> pytest <test>`).
 """
 
 import os
+import secrets
 import tempfile
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -20,6 +27,37 @@ import kiln
 os.environ.setdefault("KILN_CACHE", tempfile.mkdtemp(prefix="kiln-cache-"))
 # Every kernel launch of the CUDA tests checked against the kernel's parameters (launch.check_arguments)
 os.environ.setdefault("KILN_CHECK_LAUNCHES", "1")
+
+_unseeded_default_rng = np.random.default_rng
+
+
+def _run_seed() -> int:
+    value = os.environ.get("KILN_TEST_SEED", "0")
+    if value == "random":
+        return secrets.randbits(32)
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"KILN_TEST_SEED={value!r}: an integer or 'random'") from None
+
+
+RUN_SEED = _run_seed()
+
+
+def pytest_report_header(config):
+    return f"kiln test seed: {RUN_SEED} (KILN_TEST_SEED; 'random' for fresh draws)"
+
+
+@pytest.fixture(autouse=True)
+def _seeded_default_rng(request, monkeypatch):
+    """np.random.default_rng() without a seed, inside a test, seeded from the run's seed and the test's id."""
+    stream = np.random.SeedSequence([RUN_SEED, zlib.crc32(request.node.nodeid.encode())])
+
+    def default_rng(seed=None):
+        return _unseeded_default_rng(stream.spawn(1)[0] if seed is None else seed)
+
+    monkeypatch.setattr(np.random, "default_rng", default_rng)
+
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = {np.dtype(np.float32): 1e-5, BF16: 1e-2, np.dtype(np.float16): 2e-3}
@@ -100,5 +138,5 @@ def close(gpu, got, ref, dtype, factor=1.0):
 
 @pytest.fixture
 def rng():
-    """A fresh, unseeded generator: every run draws new inputs."""
+    """A generator seeded from the run's seed and the test's id (see the module's docstring)."""
     return np.random.default_rng()
