@@ -21,7 +21,7 @@ from kiln.errors import ConfigError, NotBuiltError
 from kiln.launch import BadStepDetector, LaunchConfig
 from kiln.launch.faults import FaultPlan, parse
 from kiln.launch.incidents import describe_exit
-from tests.launch_support import incidents, launch, processes_of
+from tests.launch_support import incidents, launch, processes_of, start_launch
 
 STEPS = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_steps.py")]
 ABORT = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_abort.py")]
@@ -117,13 +117,8 @@ def _free_port() -> int:
 
 def _node(run, node: int, port: int, *command, fault: str | None = None) -> subprocess.Popen:
     """One node's `kiln launch` of a two-node gang (one rank each) on this machine."""
-    env = {k: v for k, v in os.environ.items() if k != "KILN_FAULT"}
-    if fault:
-        env["KILN_FAULT"] = fault
-    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nnodes", "2", "--node-rank",
-           str(node), "--master", f"127.0.0.1:{port}", "--nproc", "1", "--max-restarts", "1",
-           "--hang-timeout-min", "300", "--", *map(str, command)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_launch(run, list(command), "--nnodes", 2, "--node-rank", node, "--master", f"127.0.0.1:{port}",
+                        "--nproc", 1, "--max-restarts", 1, "--hang-timeout-min", 300, fault=fault)
 
 
 @pytest.mark.parametrize("dead", [1, 0], ids=["node-1-fails", "node-0-fails"])
@@ -188,8 +183,7 @@ def test_sigint_leaves_no_process_behind(tmp_path):
     """Ctrl-C: every rank and everything it started is gone, and the launcher exits 130."""
     run = tmp_path / "run"
     rank = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"]
-    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nproc", 2, "--", *rank]
-    launcher = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_launch(run, rank, "--nproc", 2)
     deadline = time.monotonic() + 60
     while len(processes_of(run)) < 4 and time.monotonic() < deadline:  # 2 ranks + 2 grandchildren
         time.sleep(0.1)
@@ -205,9 +199,7 @@ def test_sigint_leaves_no_process_behind(tmp_path):
 def test_no_orphans_when_the_launcher_is_killed(tmp_path):
     """SIGKILL of the supervisor itself: the ranks die with it (PR_SET_PDEATHSIG)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nproc", 2, "--",
-           sys.executable, "-c", "import time; time.sleep(300)"]
-    launcher = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = start_launch(run, [sys.executable, "-c", "import time; time.sleep(300)"], "--nproc", 2)
     deadline = time.monotonic() + 60
     while len(processes_of(run)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)

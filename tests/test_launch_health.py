@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kiln.launch.health import Health, numa_nodes, rank_cpus
-from tests.launch_support import incidents, processes_of
+from tests.launch_support import incidents, launch, processes_of, start_launch
 
 STEPS = [sys.executable, str(Path(__file__).parent / "ranks" / "launch_steps.py")]
 WRITE_CPUS = ("import json, os; open(os.path.join(os.environ['KILN_RUN_DIR'], 'cpus-' + os.environ['RANK']), 'w')"
@@ -120,8 +119,7 @@ def test_nvml_reads_and_judges_the_gpus(tmp_path):
     assert health.cpus_for(0, 1, gpu=0) == (want or None)
     health.close()
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nproc", "1",
-                           "--", sys.executable, "-c", WRITE_CPUS], capture_output=True, text=True, timeout=120)
+    proc = launch(run, [sys.executable, "-c", WRITE_CPUS], "--nproc", 1)
     assert proc.returncode == 0, proc.stderr
     got = json.loads((run / "cpus-0").read_text())
     assert got == {"cpus": want or sorted(allowed), "visible": ",".join(str(r["gpu"]) for r in line["gpus"])}
@@ -147,8 +145,7 @@ def test_launched_cpu_ranks_are_pinned_to_their_numa_node(tmp_path):
         pytest.skip("Linux shows no NUMA nodes here")
     assert numa_nodes() == nodes
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nproc", "3",
-                           "--", sys.executable, "-c", WRITE_CPUS], capture_output=True, text=True, timeout=120)
+    proc = launch(run, [sys.executable, "-c", WRITE_CPUS], "--nproc", 3)
     assert proc.returncode == 0, proc.stderr
     allowed = os.sched_getaffinity(0)
     for r in range(3):
@@ -162,10 +159,8 @@ def test_prometheus_serves_the_gangs_metrics_over_loopback(tmp_path):
     grad norm are those of one of its heartbeats, and the restart after a killed rank is counted."""
     port = _free_port()
     run = tmp_path / "run"
-    env = {**os.environ, "KILN_FAULT": "kill@step=3,rank=1"}
-    cmd = [sys.executable, "-m", "kiln.cli", "launch", "--run-dir", str(run), "--nproc", "2", "--max-restarts", "1",
-           "--prometheus-port", str(port), "--", *STEPS, "400", "0.05"]
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_launch(run, [*STEPS, 400, 0.05], "--nproc", 2, "--max-restarts", 1, "--prometheus-port", port,
+                            fault="kill@step=3,rank=1")
     try:
         deadline, seen = time.monotonic() + 90, {}
         while time.monotonic() < deadline:
