@@ -11,7 +11,8 @@ until 2026-12-05 each call was timed alone, which for kiln counted ~0.25 ms of P
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
 choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
 (KILN_ATTENTION_FWD: tma-pingpong, the default, and tma, flash-attention 3's structure, or wgmma) against the same
-SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: split, the default, fused-bulk or split-tma;
+SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: auto, the default: split-tma at head dim 64
+and T >= 4096, else split; or split, fused-bulk, split-tma;
 KILN_ATTENTION_DKDV_TILES, read at import, sets the dK/dV kernel's tiles and is recorded in each row);
 rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
 half: forward 4 B H T^2 D / 2, backward 2.5x that. --shapes and --ops narrow the run (an A/B of one kernel
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16", help="comma-separated: " + ",".join(DTYPES))
     p.add_argument("--fwd", default="tma-pingpong",
                    help="comma-separated bf16/fp16 forward kernels: tma-pingpong,tma,wgmma")
-    p.add_argument("--bwd", default="split", help="comma-separated bf16/fp16 backwards: split,fused-bulk,split-tma")
+    p.add_argument("--bwd", default="auto", help="comma-separated bf16/fp16 backwards: auto,split,fused-bulk,split-tma")
     p.add_argument("--shapes", default="", help="comma-separated BxHxTxD (default: the paper's shapes)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ",".join(OPS))
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
