@@ -318,6 +318,19 @@ def test_attention_bwd_tma_equals_split(gpu, rng, monkeypatch, shape, causal, of
         assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"
 
 
+@pytest.mark.cuda
+def test_attention_bwd_tma_is_bitwise_repeatable(gpu, rng, monkeypatch):
+    """split-tma's blocks take their jobs from a ticket, in whatever order they free up: a job's sums do not
+    depend on the block that runs it, so two backwards give the same bits (1536 jobs a kernel, over 11 an SM)."""
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "split-tma")
+    q, k, v, g = (gpu.asarray(rand((16, 12, 1024, 64), ml_dtypes.bfloat16, rng)) for _ in range(4))
+    out, lse = gpu.attention_fwd(q, k, v, 0.125)
+    first, second = ([gpu.to_numpy(a).view(np.uint16) for a in gpu.attention_bwd(g, q, k, v, out, lse, 0.125)]
+                     for _ in range(2))
+    for a, b in zip(first, second):
+        assert np.array_equal(a, b)
+
+
 def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
     from kiln.backend.cuda.attention import bwd_variant
     from kiln.errors import ConfigError

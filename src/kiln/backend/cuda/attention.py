@@ -313,8 +313,9 @@ def _mask_offset(q, k, causal: bool, offset: int) -> int:
 
 def bwd_tma_shared_bytes(d: int) -> int:
     """The split-tma kernels' dynamic shared memory (TmaBwdShape): per stage two tiles of BWD_TMA_ROWS rows
-    and (dK/dV's) their lse and delta, the stages' full and empty mbarriers, and 1024 bytes to align the tiles."""
-    return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + 1024
+    and (dK/dV's) their lse and delta, the stages' full and empty mbarriers, the job hand-over's two mbarriers
+    and its slot, and 1024 bytes to align the tiles."""
+    return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + 2 * 8 + 8 + 1024
 
 
 def _tile_maps(q, k, v):
@@ -405,15 +406,17 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     if maps is not None:  # dQ first: its consumers form delta from their dO and O fragments, which dK/dV reads
         q_map, g_map, k_map, v_map = maps
         n_qb, n_kb, sms = cdiv(n_q, BWD_TMA_BLOCK_ROWS), cdiv(n_k, BWD_TMA_BLOCK_ROWS), rt.sm_count()
-        ints = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale))
+        ints = (i32(n_q), i32(n_k), i32(off), i32(h), i32(b * h), f32(scale))
+        rt.stream()  # the memset below is CuPy's: on kiln's stream, so a captured step zeroes every replay
+        tickets = cp.zeros((2,), dtype=cp.int32)  # a ticket a kernel: persistent, as the forward
         get_kernel("attention.cu", f"attention_bwd_dq_tma<{t}, {d}>")(
-            (n_qb, b * h), (TMA_THREADS,),
-            (k_map, v_map, q, grad, out, lse, delta, dq, *ints, *_args(qs, gs, os_, dqs),
+            (min(n_qb * b * h, sms),), (TMA_THREADS,),
+            (k_map, v_map, q, grad, out, lse, delta, dq, tickets[0:], *ints, *_args(qs, gs, os_, dqs),
              i32(head_group(b * h, n_qb, sms))), shared_mem=bwd_tma_shared_bytes(d))
         get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
-            (n_kb, b * h), (TMA_THREADS,),
-            (q_map, g_map, k, v, lse, delta, dk, dv, *ints, *_args(kvs, dkvs), i32(head_group(b * h, n_kb, sms))),
-            shared_mem=bwd_tma_shared_bytes(d))
+            (min(n_kb * b * h, sms),), (TMA_THREADS,),
+            (q_map, g_map, k, v, lse, delta, dk, dv, tickets[1:], *ints, *_args(kvs, dkvs),
+             i32(head_group(b * h, n_kb, sms))), shared_mem=bwd_tma_shared_bytes(d))
         return _fill(into, (dq, dk, dv))
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
         (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,),

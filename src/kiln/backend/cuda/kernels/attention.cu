@@ -1905,135 +1905,176 @@ template <int D> struct TmaBwdShape {
     static constexpr int TILE_BYTES = SwTile<ROWS, D>::BYTES;
     static constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // Q and dO, or K and V
     // The stages, then (dK/dV) the lse and delta of each ([STAGES][2][ROWS] floats), then the mbarriers
-    // (full[STAGES], empty[STAGES]); the launcher's bwd_tma_shared_bytes adds 1024 for the alignment.
+    // (full[STAGES], empty[STAGES], job_full, job_empty), then the job the producer took (an int); the
+    // launcher's bwd_tma_shared_bytes adds 1024 for the alignment.
     static constexpr int VEC_OFFSET = STAGES * STAGE_BYTES;
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
-    static constexpr int BYTES = BAR_OFFSET + 8 * 2 * STAGES;
+    static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 2);
 };
 
-// dK and dV for 128 keys: the producer's warp 1 copies each query tile's lse (in log2 units) and delta into
-// the stage beside its Q and dO, so a stage is full when the TMA bytes have landed and warp 1's 32 lanes have
-// arrived.
+// The persistent backward blocks' job hand-over: the producer's thread 0 takes job number w (the block's
+// index first, then from the ticket), waits until every reader of the last one has it (job_empty), writes w
+// to the slot and arrives on job_full; a reader waits on job_full, reads w and arrives on job_empty. w >= n_work:
+// no jobs left.
+__device__ __forceinline__ int bwd_take_job(int job, int* ticket, u32 job_full, u32 job_empty, u32 job_slot) {
+    const int w = job == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(ticket, 1);
+    mbar_wait(job_empty, (job & 1) ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(job_slot), "r"(w) : "memory");
+    mbar_arrive(job_full);  // releases the store above to the readers' wait
+    return w;
+}
+__device__ __forceinline__ int bwd_read_job(int job, u32 job_full, u32 job_empty, u32 job_slot) {
+    mbar_wait(job_full, job & 1);
+    int w;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w) : "r"(job_slot) : "memory");
+    mbar_arrive(job_empty);
+    return w;
+}
+
+// dK and dV for 128 keys a job: the producer's warp 1 copies each query tile's lse (in log2 units) and delta
+// into the stage beside its Q and dO, so a stage is full when the TMA bytes have landed and warp 1's 32 lanes
+// have arrived. A persistent kernel, as the forward (one block an SM, jobs from a ticket, bwd_take_job): the
+// jobs' tiles go through the ring in order (tile kv counted over the block's jobs), so the producer loads the
+// next job's first tiles while the consumers store this job's dK and dV and load its K and V.
 template <typename T, int D>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dkdv_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
                            const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
-                           const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv, int n_q, int n_k,
-                           int off, int n_h, float scale, KILN_LAYOUT(kv), KILN_LAYOUT(dkv), int group) {
+                           const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                           int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, float scale,
+                           KILN_LAYOUT(kv), KILN_LAYOUT(dkv), int group) {
     using Shape = TmaBwdShape<D>;
     constexpr int BQ = Shape::ROWS, S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
-    const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S;
+    const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
+    const u32 job_slot = base + Shape::JOB_OFFSET;
     float* const vec = reinterpret_cast<float*>(dsmem + (base - smem_addr(dsmem)) + Shape::VEC_OFFSET);
-    const GroupedJob jb = grid_job(group);
-    const int n0 = jb.rank * 2 * kTcRows;  // this block's first key
-    const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
-    const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+    const int n_kb = (n_k + 2 * kTcRows - 1) / (2 * kTcRows), n_work = n_kb * n_bh;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(full + 8 * s, 1 + 32);  // thread 0's arrive with the TMA bytes, warp 1's 32 lanes
             mbar_init(empty + 8 * s, kTmaThreads - 128);
         }
+        mbar_init(job_full, 1);
+        mbar_init(job_empty, kTmaThreads - 128 + 32);  // the consumers and the producer's warp 1
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (wg == 0) {  // the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        if (threadIdx.x == 0) {
-            const int b = jb.bh / n_h, h = jb.bh % n_h;
-            for (int it = 0; it < n_tiles; ++it) {
-                const int s = it % S;
-                mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);  // the consumers are done with tile it - S
-                mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
-                const u32 st = base + s * Shape::STAGE_BYTES;
-                tma_tile<BQ, D>(st, q_map, q_begin + it * BQ, h, b, full + 8 * s);
-                tma_tile<BQ, D>(st + Shape::TILE_BYTES, g_map, q_begin + it * BQ, h, b, full + 8 * s);
-            }
-        } else if (warp == 1) {
-            const float* const l_row = lse + (long long)jb.bh * n_q;
-            const float* const d_row = delta + (long long)jb.bh * n_q;
-            for (int it = 0; it < n_tiles; ++it) {
-                const int s = it % S;
-                mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);
-                float* const l = vec + s * 2 * BQ;
-#pragma unroll
-                for (int i = lane; i < BQ; i += 32) {
-                    const int query = q_begin + it * BQ + i;
-                    l[i] = query < n_q ? l_row[query] * kLog2e : 0.0f;
-                    l[BQ + i] = query < n_q ? d_row[query] : 0.0f;
+        if (threadIdx.x != 0 && warp != 1) return;
+        int kv = 0;  // query tiles this block has taken: tile kv goes to stage kv % S, round kv / S
+        for (int job = 0;; ++job) {
+            const int w = threadIdx.x == 0 ? bwd_take_job(job, ticket, job_full, job_empty, job_slot)
+                                           : bwd_read_job(job, job_full, job_empty, job_slot);
+            if (w >= n_work) return;
+            const GroupedJob jb(w, n_bh, n_kb, group);
+            const int q_begin = (max(jb.rank * 2 * kTcRows - off, 0) / BQ) * BQ;
+            const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+            if (threadIdx.x == 0) {
+                const int b = jb.bh / n_h, h = jb.bh % n_h;
+                for (int it = 0; it < n_tiles; ++it, ++kv) {
+                    const int s = kv % S;
+                    mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
+                    mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
+                    const u32 st = base + s * Shape::STAGE_BYTES;
+                    tma_tile<BQ, D>(st, q_map, q_begin + it * BQ, h, b, full + 8 * s);
+                    tma_tile<BQ, D>(st + Shape::TILE_BYTES, g_map, q_begin + it * BQ, h, b, full + 8 * s);
                 }
-                mbar_arrive(full + 8 * s);  // releases the stores above to the consumers' wait
+            } else {
+                const float* const l_row = lse + (long long)jb.bh * n_q;
+                const float* const d_row = delta + (long long)jb.bh * n_q;
+                for (int it = 0; it < n_tiles; ++it, ++kv) {
+                    const int s = kv % S;
+                    mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);
+                    float* const l = vec + s * 2 * BQ;
+#pragma unroll
+                    for (int i = lane; i < BQ; i += 32) {
+                        const int query = q_begin + it * BQ + i;
+                        l[i] = query < n_q ? l_row[query] * kLog2e : 0.0f;
+                        l[BQ + i] = query < n_q ? d_row[query] : 0.0f;
+                    }
+                    mbar_arrive(full + 8 * s);  // releases the stores above to the consumers' wait
+                }
             }
         }
-        return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4 * wg, g = lane >> 2, c = lane & 3;
-    const int key0 = n0 + (wg - 1) * kTcRows + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
     const float sl2 = scale * kLog2e;
-    u32 ka[D / 16][4], va[D / 16][4];
-    {
-        const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
-        frag_load_a<T, D>(ka, k + kvbase, (int)kv_st, key0, n_k);
-        frag_load_a<T, D>(va, v + kvbase, (int)kv_st, key0, n_k);
-    }
-    float dk_acc[D / 8][4], dv_acc[D / 8][4];
-    zero_acc(dk_acc);
-    zero_acc(dv_acc);
-    for (int it = 0; it < n_tiles; ++it) {
-        const int s = it % S, q0 = q_begin + it * BQ;
-        const u32 qb = base + s * Shape::STAGE_BYTES, gb = qb + Shape::TILE_BYTES;
-        const float* const l = vec + s * 2 * BQ;
-        // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
-        const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
-        mbar_wait(full + 8 * s, (it / S) & 1);
-        if (q0 + BQ - 1 + off < n0 + (wg - 1) * kTcRows) {  // every query of the tile before this warpgroup's keys
-            mbar_arrive(empty + 8 * s);
-            continue;
+    int kv = 0;  // query tiles consumed so far, in the producer's order
+    for (int job = 0;; ++job) {
+        const int w = bwd_read_job(job, job_full, job_empty, job_slot);
+        if (w >= n_work) break;
+        const GroupedJob jb(w, n_bh, n_kb, group);
+        const int n0 = jb.rank * 2 * kTcRows;  // this job's first key
+        const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
+        const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+        const int key0 = n0 + (wg - 1) * kTcRows + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
+        u32 ka[D / 16][4], va[D / 16][4];
+        {
+            const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
+            frag_load_a<T, D>(ka, k + kvbase, (int)kv_st, key0, n_k);
+            frag_load_a<T, D>(va, v + kvbase, (int)kv_st, key0, n_k);
         }
-        float p[BQ / 8][4], ds[BQ / 8][4];  // Sᵀ and dPᵀ overwrite them
-        wg_issue<T, BQ, D, BQ, D, 0, true>(p, ka, qb);   // Sᵀ = K·Qᵀ
-        wg_issue<T, BQ, D, BQ, D, 0, true>(ds, va, gb);  // dPᵀ = V·dOᵀ
-        wg_wait<1>();
-        fence_regs(p);
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-            const float2 lq = *reinterpret_cast<const float2*>(&l[j * 8 + 2 * c]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int query = q0 + j * 8 + 2 * c + (e & 1), key = e < 2 ? key_lo : key_hi;
-                const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x));
-                p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
+        float dk_acc[D / 8][4], dv_acc[D / 8][4];
+        zero_acc(dk_acc);
+        zero_acc(dv_acc);
+        for (int it = 0; it < n_tiles; ++it) {
+            const int s = (kv + it) % S, q0 = q_begin + it * BQ;
+            const u32 qb = base + s * Shape::STAGE_BYTES, gb = qb + Shape::TILE_BYTES;
+            const float* const l = vec + s * 2 * BQ;
+            // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
+            const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
+            mbar_wait(full + 8 * s, ((kv + it) / S) & 1);
+            if (q0 + BQ - 1 + off < n0 + (wg - 1) * kTcRows) {  // every query of the tile before this warpgroup's keys
+                mbar_arrive(empty + 8 * s);
+                continue;
             }
-        }
-        u32 pa[BQ / 16][4];
-        c_to_a<T, BQ>(pa, p);
-        wg_wait<0>();
-        fence_regs(ds);
-        wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);  // dV += Pᵀ·dO, while dSᵀ is formed
+            float p[BQ / 8][4], ds[BQ / 8][4];  // Sᵀ and dPᵀ overwrite them
+            wg_issue<T, BQ, D, BQ, D, 0, true>(p, ka, qb);   // Sᵀ = K·Qᵀ
+            wg_issue<T, BQ, D, BQ, D, 0, true>(ds, va, gb);  // dPᵀ = V·dOᵀ
+            wg_wait<1>();
+            fence_regs(p);
 #pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-            const float2 dl = *reinterpret_cast<const float2*>(&l[BQ + j * 8 + 2 * c]);
-            ds[j][0] = p[j][0] * (ds[j][0] - dl.x);
-            ds[j][1] = p[j][1] * (ds[j][1] - dl.y);
-            ds[j][2] = p[j][2] * (ds[j][2] - dl.x);
-            ds[j][3] = p[j][3] * (ds[j][3] - dl.y);
+            for (int j = 0; j < BQ / 8; ++j) {
+                const float2 lq = *reinterpret_cast<const float2*>(&l[j * 8 + 2 * c]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int query = q0 + j * 8 + 2 * c + (e & 1), key = e < 2 ? key_lo : key_hi;
+                    const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x));
+                    p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
+                }
+            }
+            u32 pa[BQ / 16][4];
+            c_to_a<T, BQ>(pa, p);
+            wg_wait<0>();
+            fence_regs(ds);
+            wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);  // dV += Pᵀ·dO, while dSᵀ is formed
+#pragma unroll
+            for (int j = 0; j < BQ / 8; ++j) {
+                const float2 dl = *reinterpret_cast<const float2*>(&l[BQ + j * 8 + 2 * c]);
+                ds[j][0] = p[j][0] * (ds[j][0] - dl.x);
+                ds[j][1] = p[j][1] * (ds[j][1] - dl.y);
+                ds[j][2] = p[j][2] * (ds[j][2] - dl.x);
+                ds[j][3] = p[j][3] * (ds[j][3] - dl.y);
+            }
+            u32 da[BQ / 16][4];
+            c_to_a<T, BQ>(da, ds);
+            wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);  // dK += dSᵀ·Q
+            wg_wait<0>();
+            fence_regs(dv_acc);
+            fence_regs(dk_acc);
+            mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
         }
-        u32 da[BQ / 16][4];
-        c_to_a<T, BQ>(da, ds);
-        wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);  // dK += dSᵀ·Q
-        wg_wait<0>();
-        fence_regs(dv_acc);
-        fence_regs(dk_acc);
-        mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
+        kv += n_tiles;
+        const long long gbase = head_offset(jb.bh, n_h, dkv_sb, dkv_sh);
+        frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
+        frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
     }
-    const GroupedJob tail = grid_job(group);  // read afresh, not kept across the loop
-    const long long gbase = head_offset(tail.bh, n_h, dkv_sb, dkv_sh);
-    frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
-    frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
 }
 
 // The dot product of two pairs of 16-bit values (each a u32 of a fragment), in fp32.
@@ -2043,121 +2084,139 @@ template <typename T> __device__ __forceinline__ float dot2(u32 a, u32 b) {
     return fmaf(to_float(x[1]), to_float(y[1]), to_float(x[0]) * to_float(y[0]));
 }
 
-// dQ for 128 queries (consumer 0 the first 64, which see fewer keys): S = Q·Kᵀ, P = exp(S - lse),
-// dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K, over the key tiles the block's last row sees. It runs
-// before dK/dV and forms delta = rowsum(dO∘O) itself (attention_bwd_delta's work): each thread's dO
-// fragments and the same fragments of O give its part of its two rows' sums, the quad adds them, and
-// lane 0 of the quad writes them for the dK/dV kernel.
+// dQ for 128 queries a job (consumer 0 the first 64, which see fewer keys): S = Q·Kᵀ, P = exp(S - lse),
+// dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K, over the key tiles the job's last row sees. It runs before
+// dK/dV and forms delta = rowsum(dO∘O) itself (attention_bwd_delta's work): each thread's dO fragments and
+// the same fragments of O give its part of its two rows' sums, the quad adds them, and lane 0 of the quad
+// writes them for the dK/dV kernel. Persistent as the dK/dV kernel: the next job's first K and V tiles load
+// while the consumers store this job's dQ and read the next one's Q, dO and O.
 template <typename T, int D>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dq_tma(const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map,
                          const T* __restrict__ q, const T* __restrict__ grad, const T* __restrict__ out,
-                         const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq, int n_q,
-                         int n_k, int off, int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(o), KILN_LAYOUT(out),
-                         KILN_LAYOUT(dq), int group) {
+                         const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq,
+                         int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, float scale,
+                         KILN_LAYOUT(q), KILN_LAYOUT(o), KILN_LAYOUT(out), KILN_LAYOUT(dq), int group) {
     using Shape = TmaBwdShape<D>;
     constexpr int BN = Shape::ROWS, S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
-    const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S;
-    const GroupedJob jb = grid_job(group);
-    const int m0 = (gridDim.x - 1 - jb.rank) * 2 * kTcRows;  // the longest rows first
-    const int k_end = min(n_k, min(m0 + 2 * kTcRows, n_q) - 1 + off + 1);  // keys some row of the block sees
-    const int n_tiles = (k_end - 1) / BN + 1;
+    const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
+    const u32 job_slot = base + Shape::JOB_OFFSET;
+    const int n_qb = (n_q + 2 * kTcRows - 1) / (2 * kTcRows), n_work = n_qb * n_bh;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, kTmaThreads - 128);
         }
+        mbar_init(job_full, 1);
+        mbar_init(job_empty, kTmaThreads - 128);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (wg == 0) {  // the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
         if (threadIdx.x != 0) return;
-        const int b = jb.bh / n_h, h = jb.bh % n_h;
-        for (int it = 0; it < n_tiles; ++it) {
-            const int s = it % S;
-            mbar_wait(empty + 8 * s, ((it / S) & 1) ^ 1);  // the consumers are done with tile it - S
-            mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
-            const u32 st = base + s * Shape::STAGE_BYTES;
-            tma_tile<BN, D>(st, k_map, it * BN, h, b, full + 8 * s);
-            tma_tile<BN, D>(st + Shape::TILE_BYTES, v_map, it * BN, h, b, full + 8 * s);
+        int kv = 0;  // key tiles this block has loaded: tile kv goes to stage kv % S, round kv / S
+        for (int job = 0;; ++job) {
+            const int w = bwd_take_job(job, ticket, job_full, job_empty, job_slot);
+            if (w >= n_work) return;
+            const GroupedJob jb(w, n_bh, n_qb, group);
+            const int m0 = (n_qb - 1 - jb.rank) * 2 * kTcRows;  // the longest rows first
+            const int k_end = min(n_k, min(m0 + 2 * kTcRows, n_q) - 1 + off + 1);  // keys some row of the job sees
+            const int n_tiles = (k_end - 1) / BN + 1;
+            const int b = jb.bh / n_h, h = jb.bh % n_h;
+            for (int it = 0; it < n_tiles; ++it, ++kv) {
+                const int s = kv % S;
+                mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
+                mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
+                const u32 st = base + s * Shape::STAGE_BYTES;
+                tma_tile<BN, D>(st, k_map, it * BN, h, b, full + 8 * s);
+                tma_tile<BN, D>(st + Shape::TILE_BYTES, v_map, it * BN, h, b, full + 8 * s);
+            }
         }
-        return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4 * wg, g = lane >> 2, c = lane & 3;
-    const int wg_row0 = m0 + (wg - 1) * kTcRows;
-    const int row0 = wg_row0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
-    // keys this warpgroup's rows see (none where they all lie past n_q)
-    const int wg_k_end = wg_row0 < n_q ? min(n_k, min(wg_row0 + kTcRows, n_q) - 1 + off + 1) : 0;
     const float sl2 = scale * kLog2e;
-    u32 qa[D / 16][4], ga[D / 16][4];
-    frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
-    frag_load_a<T, D>(ga, grad + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
-    const float* const l_row = lse + (long long)jb.bh * n_q;
-    const float lse_lo = r_lo < n_q ? l_row[r_lo] * kLog2e : 0.0f;
-    const float lse_hi = r_hi < n_q ? l_row[r_hi] * kLog2e : 0.0f;
-    float dl_lo = 0.0f, dl_hi = 0.0f;  // delta of rows r_lo and r_hi (0 past n_q: zero fragments)
-    {
-        u32 oa[D / 16][4];
-        frag_load_a<T, D>(oa, out + head_offset(jb.bh, n_h, out_sb, out_sh), (int)out_st, row0, n_q);
+    int kv = 0;  // key tiles consumed so far, in the producer's order
+    for (int job = 0;; ++job) {
+        const int w = bwd_read_job(job, job_full, job_empty, job_slot);
+        if (w >= n_work) break;
+        const GroupedJob jb(w, n_bh, n_qb, group);
+        const int m0 = (n_qb - 1 - jb.rank) * 2 * kTcRows;  // this job's first row
+        const int k_end = min(n_k, min(m0 + 2 * kTcRows, n_q) - 1 + off + 1);
+        const int n_tiles = (k_end - 1) / BN + 1;
+        const int wg_row0 = m0 + (wg - 1) * kTcRows;
+        const int row0 = wg_row0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
+        // keys this warpgroup's rows see (none where they all lie past n_q)
+        const int wg_k_end = wg_row0 < n_q ? min(n_k, min(wg_row0 + kTcRows, n_q) - 1 + off + 1) : 0;
+        u32 qa[D / 16][4], ga[D / 16][4];
+        frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
+        frag_load_a<T, D>(ga, grad + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
+        const float* const l_row = lse + (long long)jb.bh * n_q;
+        const float lse_lo = r_lo < n_q ? l_row[r_lo] * kLog2e : 0.0f;
+        const float lse_hi = r_hi < n_q ? l_row[r_hi] * kLog2e : 0.0f;
+        float dl_lo = 0.0f, dl_hi = 0.0f;  // delta of rows r_lo and r_hi (0 past n_q: zero fragments)
+        {
+            u32 oa[D / 16][4];
+            frag_load_a<T, D>(oa, out + head_offset(jb.bh, n_h, out_sb, out_sh), (int)out_st, row0, n_q);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            dl_lo += dot2<T>(ga[kk][0], oa[kk][0]) + dot2<T>(ga[kk][2], oa[kk][2]);
-            dl_hi += dot2<T>(ga[kk][1], oa[kk][1]) + dot2<T>(ga[kk][3], oa[kk][3]);
-        }
-#pragma unroll
-        for (int o_ = 1; o_ <= 2; o_ <<= 1) {
-            dl_lo += __shfl_xor_sync(0xffffffffu, dl_lo, o_);
-            dl_hi += __shfl_xor_sync(0xffffffffu, dl_hi, o_);
-        }
-        float* const d_row = delta + (long long)jb.bh * n_q;
-        if (c == 0 && r_lo < n_q) d_row[r_lo] = dl_lo;
-        if (c == 0 && r_hi < n_q) d_row[r_hi] = dl_hi;
-    }
-    float dq_acc[D / 8][4];
-    zero_acc(dq_acc);
-    for (int it = 0; it < n_tiles; ++it) {
-        const int s = it % S, n0 = it * BN;
-        const u32 kb = base + s * Shape::STAGE_BYTES, vb = kb + Shape::TILE_BYTES;
-        mbar_wait(full + 8 * s, (it / S) & 1);
-        if (n0 >= wg_k_end) {  // every key of the tile after this warpgroup's rows (none seen: dq stays 0)
-            mbar_arrive(empty + 8 * s);
-            continue;
-        }
-        const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
-        float p[BN / 8][4], ds[BN / 8][4];  // S and dP overwrite them
-        wg_issue<T, BN, D, BN, D, 0, true>(p, qa, kb);   // S = Q·Kᵀ
-        wg_issue<T, BN, D, BN, D, 0, true>(ds, ga, vb);  // dP = dO·Vᵀ
-        wg_wait<1>();
-        fence_regs(p);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + j * 8 + 2 * c + (e & 1);
-                const int row = e < 2 ? r_lo : r_hi;
-                const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
-                p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
+            for (int kk = 0; kk < D / 16; ++kk) {
+                dl_lo += dot2<T>(ga[kk][0], oa[kk][0]) + dot2<T>(ga[kk][2], oa[kk][2]);
+                dl_hi += dot2<T>(ga[kk][1], oa[kk][1]) + dot2<T>(ga[kk][3], oa[kk][3]);
             }
-        }
-        wg_wait<0>();
-        fence_regs(ds);
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
-            ds[j][1] = p[j][1] * (ds[j][1] - dl_lo);
-            ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
-            ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
+            for (int o_ = 1; o_ <= 2; o_ <<= 1) {
+                dl_lo += __shfl_xor_sync(0xffffffffu, dl_lo, o_);
+                dl_hi += __shfl_xor_sync(0xffffffffu, dl_hi, o_);
+            }
+            float* const d_row = delta + (long long)jb.bh * n_q;
+            if (c == 0 && r_lo < n_q) d_row[r_lo] = dl_lo;
+            if (c == 0 && r_hi < n_q) d_row[r_hi] = dl_hi;
         }
-        u32 da[BN / 16][4];
-        c_to_a<T, BN>(da, ds);
-        wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);  // dQ += dS·K
-        mbar_arrive(empty + 8 * s);
+        float dq_acc[D / 8][4];
+        zero_acc(dq_acc);
+        for (int it = 0; it < n_tiles; ++it) {
+            const int s = (kv + it) % S, n0 = it * BN;
+            const u32 kb = base + s * Shape::STAGE_BYTES, vb = kb + Shape::TILE_BYTES;
+            mbar_wait(full + 8 * s, ((kv + it) / S) & 1);
+            if (n0 >= wg_k_end) {  // every key of the tile after this warpgroup's rows (none seen: dq stays 0)
+                mbar_arrive(empty + 8 * s);
+                continue;
+            }
+            const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
+            float p[BN / 8][4], ds[BN / 8][4];  // S and dP overwrite them
+            wg_issue<T, BN, D, BN, D, 0, true>(p, qa, kb);   // S = Q·Kᵀ
+            wg_issue<T, BN, D, BN, D, 0, true>(ds, ga, vb);  // dP = dO·Vᵀ
+            wg_wait<1>();
+            fence_regs(p);
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = n0 + j * 8 + 2 * c + (e & 1);
+                    const int row = e < 2 ? r_lo : r_hi;
+                    const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
+                    p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
+                }
+            }
+            wg_wait<0>();
+            fence_regs(ds);
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
+                ds[j][1] = p[j][1] * (ds[j][1] - dl_lo);
+                ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
+                ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
+            }
+            u32 da[BN / 16][4];
+            c_to_a<T, BN>(da, ds);
+            wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);  // dQ += dS·K
+            mbar_arrive(empty + 8 * s);
+        }
+        kv += n_tiles;
+        frag_store<T, D>(dq + head_offset(jb.bh, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
     }
-    const GroupedJob tail = grid_job(group);  // read afresh, not kept across the loop
-    frag_store<T, D>(dq + head_offset(tail.bh, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
 }
