@@ -1110,6 +1110,102 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     }
 }
 
+// One tile of the dK/dV kernels (attention_bwd_dkdv_tc, attention_bwd_dkdv_tma), a warpgroup's 64 keys against
+// BQ queries q0..: Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ - lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ - delta), dK += dSᵀ·Q.
+// ka, va: this warp's K and V rows as A fragments; qb, gb: the Q and dO tiles in shared memory; ls, ds_row: the
+// tile's lse (times lse_scale gives log2 units) and delta in shared memory. Sᵀ and dPᵀ are issued together; P is
+// formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs. They overwrite p and ds (scale-d 0 at the first k-step),
+// except at D = 128, where ptxas then serialised the products for want of registers (C7512): zeroed there,
+// before S is issued.
+template <typename T, int BQ, int D>
+__device__ __forceinline__ void dkdv_tile(float (&dk_acc)[D / 8][4], float (&dv_acc)[D / 8][4],
+                                          const u32 (&ka)[D / 16][4], const u32 (&va)[D / 16][4], u32 qb, u32 gb,
+                                          const float* ls, const float* ds_row, float lse_scale, int q0, int key0,
+                                          int n_q, int off, float sl2) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, key_lo = key0 + g, key_hi = key_lo + 8;
+    // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
+    const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
+    constexpr bool kOverwrite = D < 128;
+    float p[BQ / 8][4], ds[BQ / 8][4];
+    if constexpr (!kOverwrite) {
+        zero_acc(p);
+        zero_acc(ds);
+        fence_regs(ds);  // not while S runs (ptxas would wait for it)
+    }
+    wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(p, ka, qb);   // Sᵀ = K·Qᵀ
+    wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(ds, va, gb);  // dPᵀ = V·dOᵀ
+    wg_wait<1>();
+    fence_regs(p);
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+        const float2 lq = *reinterpret_cast<const float2*>(&ls[j * 8 + 2 * c]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int query = q0 + j * 8 + 2 * c + (e & 1), key = e < 2 ? key_lo : key_hi;
+            const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * lse_scale);
+            p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
+        }
+    }
+    u32 pa[BQ / 16][4];
+    c_to_a<T, BQ>(pa, p);
+    wg_wait<0>();
+    fence_regs(ds);
+    wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);  // dV += Pᵀ·dO, while dSᵀ is formed
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+        const float2 dl = *reinterpret_cast<const float2*>(&ds_row[j * 8 + 2 * c]);
+        ds[j][0] = p[j][0] * (ds[j][0] - dl.x);
+        ds[j][1] = p[j][1] * (ds[j][1] - dl.y);
+        ds[j][2] = p[j][2] * (ds[j][2] - dl.x);
+        ds[j][3] = p[j][3] * (ds[j][3] - dl.y);
+    }
+    u32 da[BQ / 16][4];
+    c_to_a<T, BQ>(da, ds);
+    wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);  // dK += dSᵀ·Q
+    wg_wait<0>();
+    fence_regs(dv_acc);
+    fence_regs(dk_acc);
+}
+
+// One tile of the dQ kernels (attention_bwd_dq_tc, attention_bwd_dq_tma), a warp's 16 rows row0.. against BN keys
+// n0..: S = Q·Kᵀ, P = exp(S - lse), dP = dO·Vᵀ, dS = P∘(dP - delta), dQ += dS·K (waited for). qa, ga: the rows'
+// Q and dO as A fragments; kb, vb: the K and V tiles in shared memory; lse (log2 units) and delta of rows
+// row0 + g and row0 + g + 8. S and dP are issued together (overwriting p and ds); P is formed while dP runs.
+template <typename T, int BN, int D>
+__device__ __forceinline__ void dq_tile(float (&dq_acc)[D / 8][4], const u32 (&qa)[D / 16][4],
+                                        const u32 (&ga)[D / 16][4], u32 kb, u32 vb, int n0, int row0, int n_k,
+                                        int off, float sl2, float lse_lo, float lse_hi, float dl_lo, float dl_hi) {
+    const int lane = threadIdx.x & 31, c = lane & 3, r_lo = row0 + (lane >> 2), r_hi = r_lo + 8;
+    const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
+    float p[BN / 8][4], ds[BN / 8][4];
+    wg_issue<T, BN, D, BN, D, 0, true>(p, qa, kb);   // S = Q·Kᵀ
+    wg_issue<T, BN, D, BN, D, 0, true>(ds, ga, vb);  // dP = dO·Vᵀ
+    wg_wait<1>();
+    fence_regs(p);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = n0 + j * 8 + 2 * c + (e & 1);
+            const int row = e < 2 ? r_lo : r_hi;
+            const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
+            p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
+        }
+    }
+    wg_wait<0>();
+    fence_regs(ds);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
+        ds[j][1] = p[j][1] * (ds[j][1] - dl_lo);
+        ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
+        ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
+    }
+    u32 da[BN / 16][4];
+    c_to_a<T, BN>(da, ds);
+    wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);  // dQ += dS·K
+}
+
 // dK, dV for one block of 64 keys (each warp 16), walking the query tiles that see it:
 // Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ - lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ - delta), dK += dSᵀ·Q.
 template <typename T, int D>
@@ -1125,7 +1221,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attenti
     __shared__ __align__(16) float Ls[2][BQ];
     __shared__ __align__(16) float Ds[2][BQ];
     const u32 qs = align1024(smem), gs = qs + 2 * Tile::BYTES;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int warp = threadIdx.x >> 5;
     q += head_offset(jb.bh, n_h, q_sb, q_sh);
     const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
     k += kvbase;
@@ -1138,7 +1234,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attenti
     delta += (long long)jb.bh * n_q;
     const int ld_q = (int)q_st, ld_o = (int)o_st;
     const int n0 = jb.rank * kTcRows;  // the first key blocks walk the most query tiles: rank 0
-    const int key0 = n0 + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
+    const int key0 = n0 + warp * 16;
     const float sl2 = scale * kLog2e;
     const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
     const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
@@ -1166,52 +1262,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dkdv_blocks) attenti
             vec_async<BQ>(Ds[buf ^ 1], delta, q0 + BQ, n_q);
             cp_async_commit();
         }
-        // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
-        const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
-        // Sᵀ and dPᵀ are issued together; P is formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs.
-        // Sᵀ and dPᵀ overwrite p and ds (scale-d 0 at the first k-step), except at D = 128, where ptxas then
-        // serialised the products for want of registers (C7512): zeroed there, before S is issued
-        constexpr bool kOverwrite = D < 128;
-        float p[BQ / 8][4], ds[BQ / 8][4];
-        if constexpr (!kOverwrite) {
-            zero_acc(p);
-            zero_acc(ds);
-            fence_regs(ds);  // not while S runs (ptxas would wait for it)
-        }
-        wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(p, ka, qb);
-        wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(ds, va, gb);
-        wg_wait<1>();
-        fence_regs(p);
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-            const float2 lq = *reinterpret_cast<const float2*>(&Ls[buf][j * 8 + 2 * c]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = j * 8 + 2 * c + (e & 1), query = q0 + col;
-                const int key = e < 2 ? key_lo : key_hi;
-                const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x) * kLog2e);
-                p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
-            }
-        }
-        u32 pa[BQ / 16][4];
-        c_to_a<T, BQ>(pa, p);
-        wg_wait<0>();
-        fence_regs(ds);
-        wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-            const float2 dq = *reinterpret_cast<const float2*>(&Ds[buf][j * 8 + 2 * c]);
-            ds[j][0] = p[j][0] * (ds[j][0] - dq.x);
-            ds[j][1] = p[j][1] * (ds[j][1] - dq.y);
-            ds[j][2] = p[j][2] * (ds[j][2] - dq.x);
-            ds[j][3] = p[j][3] * (ds[j][3] - dq.y);
-        }
-        u32 da[BQ / 16][4];
-        c_to_a<T, BQ>(da, ds);
-        wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);
-        wg_wait<0>();
-        fence_regs(dv_acc);
-        fence_regs(dk_acc);
+        dkdv_tile<T, BQ, D>(dk_acc, dv_acc, ka, va, qb, gb, Ls[buf], Ds[buf], kLog2e, q0, key0, n_q, off, sl2);
     }
     frag_store<T, D>(dk, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
     frag_store<T, D>(dv, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
@@ -1229,7 +1280,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
     using Tile = SwTile<BN, D>;
     __shared__ __align__(1024) unsigned char smem[4 * Tile::BYTES + 1024];  // K[2], V[2]
     const u32 ks = align1024(smem), vs = ks + 2 * Tile::BYTES;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
     k += kvbase;
     v += kvbase;
@@ -1260,35 +1311,7 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
             tile2_async<BN, D>(ks + (buf ^ 1) * Tile::BYTES, k, vs + (buf ^ 1) * Tile::BYTES, v, ld_kv, n0 + BN, n_k);
             cp_async_commit();
         }
-        const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
-        // S and dP are issued together; P is formed while dP runs.
-        float p[BN / 8][4], ds[BN / 8][4];  // S and dP overwrite them (scale-d 0 at the first k-step)
-        wg_issue<T, BN, D, BN, D, 0, true>(p, qa, kb);
-        wg_issue<T, BN, D, BN, D, 0, true>(ds, ga, vb);
-        wg_wait<1>();
-        fence_regs(p);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + j * 8 + 2 * c + (e & 1);
-                const int row = e < 2 ? r_lo : r_hi;
-                const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
-                p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
-            }
-        }
-        wg_wait<0>();
-        fence_regs(ds);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
-            ds[j][1] = p[j][1] * (ds[j][1] - dl_lo);
-            ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
-            ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
-        }
-        u32 da[BN / 16][4];
-        c_to_a<T, BN>(da, ds);
-        wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);
+        dq_tile<T, BN, D>(dq_acc, qa, ga, kb, vb, n0, row0, n_k, off, sl2, lse_lo, lse_hi, dl_lo, dl_hi);
     }
     const GroupedJob tail = grid_job(group);  // read afresh, not kept across the loop
     frag_store<T, D>(dq + head_offset(tail.bh, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
@@ -2003,7 +2026,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4 * wg, g = lane >> 2, c = lane & 3;
+    const int warp = (threadIdx.x >> 5) - 4 * wg;
     const float sl2 = scale * kLog2e;
     int kv = 0;  // query tiles consumed so far, in the producer's order
     for (int job = 0;; ++job) {
@@ -2013,7 +2036,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int n0 = jb.rank * 2 * kTcRows;  // this job's first key
         const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
         const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
-        const int key0 = n0 + (wg - 1) * kTcRows + warp * 16, key_lo = key0 + g, key_hi = key_lo + 8;
+        const int key0 = n0 + (wg - 1) * kTcRows + warp * 16;
         u32 ka[D / 16][4], va[D / 16][4];
         {
             const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
@@ -2027,47 +2050,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             const int s = (kv + it) % S, q0 = q_begin + it * BQ;
             const u32 qb = base + s * Shape::STAGE_BYTES, gb = qb + Shape::TILE_BYTES;
             const float* const l = vec + s * 2 * BQ;
-            // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
-            const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
             mbar_wait(full + 8 * s, ((kv + it) / S) & 1);
             if (q0 + BQ - 1 + off < n0 + (wg - 1) * kTcRows) {  // every query of the tile before this warpgroup's keys
                 mbar_arrive(empty + 8 * s);
                 continue;
             }
-            float p[BQ / 8][4], ds[BQ / 8][4];  // Sᵀ and dPᵀ overwrite them
-            wg_issue<T, BQ, D, BQ, D, 0, true>(p, ka, qb);   // Sᵀ = K·Qᵀ
-            wg_issue<T, BQ, D, BQ, D, 0, true>(ds, va, gb);  // dPᵀ = V·dOᵀ
-            wg_wait<1>();
-            fence_regs(p);
-#pragma unroll
-            for (int j = 0; j < BQ / 8; ++j) {
-                const float2 lq = *reinterpret_cast<const float2*>(&l[j * 8 + 2 * c]);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int query = q0 + j * 8 + 2 * c + (e & 1), key = e < 2 ? key_lo : key_hi;
-                    const float x = ex2(p[j][e] * sl2 - ((e & 1) ? lq.y : lq.x));
-                    p[j][e] = (!edge || (key <= query + off && query < n_q)) ? x : 0.0f;
-                }
-            }
-            u32 pa[BQ / 16][4];
-            c_to_a<T, BQ>(pa, p);
-            wg_wait<0>();
-            fence_regs(ds);
-            wg_issue<T, D, BQ, BQ, D, 1>(dv_acc, pa, gb);  // dV += Pᵀ·dO, while dSᵀ is formed
-#pragma unroll
-            for (int j = 0; j < BQ / 8; ++j) {
-                const float2 dl = *reinterpret_cast<const float2*>(&l[BQ + j * 8 + 2 * c]);
-                ds[j][0] = p[j][0] * (ds[j][0] - dl.x);
-                ds[j][1] = p[j][1] * (ds[j][1] - dl.y);
-                ds[j][2] = p[j][2] * (ds[j][2] - dl.x);
-                ds[j][3] = p[j][3] * (ds[j][3] - dl.y);
-            }
-            u32 da[BQ / 16][4];
-            c_to_a<T, BQ>(da, ds);
-            wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);  // dK += dSᵀ·Q
-            wg_wait<0>();
-            fence_regs(dv_acc);
-            fence_regs(dk_acc);
+            dkdv_tile<T, BQ, D>(dk_acc, dv_acc, ka, va, qb, gb, l, l + BQ, 1.0f, q0, key0, n_q, off, sl2);
             mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
         }
         kv += n_tiles;
@@ -2186,34 +2174,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                 mbar_arrive(empty + 8 * s);
                 continue;
             }
-            const bool edge = n0 + BN - 1 > row0 + off || n0 + BN > n_k;  // some key of the tile hidden from some row
-            float p[BN / 8][4], ds[BN / 8][4];  // S and dP overwrite them
-            wg_issue<T, BN, D, BN, D, 0, true>(p, qa, kb);   // S = Q·Kᵀ
-            wg_issue<T, BN, D, BN, D, 0, true>(ds, ga, vb);  // dP = dO·Vᵀ
-            wg_wait<1>();
-            fence_regs(p);
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = n0 + j * 8 + 2 * c + (e & 1);
-                    const int row = e < 2 ? r_lo : r_hi;
-                    const float x = ex2(p[j][e] * sl2 - (e < 2 ? lse_lo : lse_hi));
-                    p[j][e] = (!edge || (key <= row + off && key < n_k)) ? x : 0.0f;
-                }
-            }
-            wg_wait<0>();
-            fence_regs(ds);
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                ds[j][0] = p[j][0] * (ds[j][0] - dl_lo);
-                ds[j][1] = p[j][1] * (ds[j][1] - dl_lo);
-                ds[j][2] = p[j][2] * (ds[j][2] - dl_hi);
-                ds[j][3] = p[j][3] * (ds[j][3] - dl_hi);
-            }
-            u32 da[BN / 16][4];
-            c_to_a<T, BN>(da, ds);
-            wg_mma<T, D, BN, BN, D, 1>(dq_acc, da, kb);  // dQ += dS·K
+            dq_tile<T, BN, D>(dq_acc, qa, ga, kb, vb, n0, row0, n_k, off, sl2, lse_lo, lse_hi, dl_lo, dl_hi);
             mbar_arrive(empty + 8 * s);
         }
         kv += n_tiles;
