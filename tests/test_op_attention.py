@@ -343,20 +343,20 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
         bwd_variant()
 
 
-def test_attention_bwd_auto_takes_split_tma_for_long_rows_at_head_dim_64(monkeypatch):
-    from kiln.backend.cuda.attention import SPLIT_TMA_MIN_ROWS as LONG, bwd_kernels
+def test_attention_bwd_auto_takes_split_tma_at_head_dim_64(monkeypatch):
+    from kiln.backend.cuda.attention import bwd_kernels
     monkeypatch.delenv("KILN_ATTENTION_BWD", raising=False)
-    assert bwd_kernels(True, 64, LONG, LONG) == "split-tma"
-    assert bwd_kernels(True, 64, LONG // 2, LONG) == "split"  # GPT-2's T 1024: split
-    assert bwd_kernels(True, 64, LONG, LONG // 2) == "split"
-    assert bwd_kernels(True, 128, LONG, LONG) == "split"  # split-tma has head dim 64 only
-    assert bwd_kernels(False, 64, LONG, LONG) == "split"  # float32: the CUDA-core kernels
+    assert bwd_kernels(True, 64) == "split-tma"
+    assert bwd_kernels(True, 128) == "split"  # split-tma has head dim 64 only
+    assert bwd_kernels(True, 48) == "split"
+    assert bwd_kernels(False, 64) == "split"  # float32: the CUDA-core kernels
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "split")
+    assert bwd_kernels(True, 64) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "split-tma")
-    assert bwd_kernels(True, 64, 8, 8) == "split-tma"  # named: at any length
-    assert bwd_kernels(True, 128, 8, 8) == "split"
+    assert bwd_kernels(True, 128) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
-    assert bwd_kernels(True, 128, 8, 8) == "fused-bulk"
-    assert bwd_kernels(True, 48, 8, 8) == "split"
+    assert bwd_kernels(True, 128) == "fused-bulk"
+    assert bwd_kernels(True, 48) == "split"
 
 
 @pytest.mark.cuda

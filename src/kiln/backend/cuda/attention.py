@@ -31,15 +31,15 @@ flash-attention 2 and 3's backwards), then `attention_bwd_dq_store` writes dq. G
 (2026-12-06, 6b8da99) it took 0.78-0.88x split's time at D = 64 (1.0x at 16x12x1024x64, 1.15x at
 32x12x512x64), 1.10-1.14x at D = 128; adding dQ in a fixed order behind semaphores instead, or per
 element with RED, was slower still at every shape (H100): both were removed.
-KILN_ATTENTION_BWD=split-tma (head dim 64) is split with both kernels in the TMA
-forward's structure (`attention_bwd_dkdv_tma`, `attention_bwd_dq_tma`: a producer warpgroup loads the streamed
-tiles by TMA into a ring of stages, Q and dO for dK/dV (its warp 1 their lse and delta), K and V for dQ; two
-consumer warpgroups of 64 rows share every stage, so a tile crosses into shared memory once for 128 rows).
-Its dQ kernel runs first and forms delta itself (rowsum(dO·O) from its consumers' dO and O fragments, written
-for dK/dV): no delta kernel. Bitwise repeatable too. On an H100 (2026-12-07) it took 0.90-0.92x split's time
-at T 4096-16384, 0.98x at 2048, 1.02x at 1024 and 1.07x at 512 (a block alone on its SM, one job each: a job's
-start is not hidden at short rows). KILN_ATTENTION_BWD=auto, the default, runs split-tma where it is head dim 64
-and both query and key rows reach SPLIT_TMA_MIN_ROWS, split elsewhere.
+KILN_ATTENTION_BWD=split-tma (head dim 64) is split with both kernels in the TMA forward's structure
+(`attention_bwd_dkdv_tma`, `attention_bwd_dq_tma`: persistent, one block an SM taking jobs from a ticket; a
+producer warpgroup loads the streamed tiles by TMA into a ring of stages, Q and dO for dK/dV (its warp 1 their
+lse and delta), K and V for dQ; two consumer warpgroups of 64 rows share every stage, so a tile crosses into
+shared memory once for 128 rows). Its dQ kernel runs first and forms delta itself (rowsum(dO·O) from its
+consumers' dO and O fragments, written for dK/dV): no delta kernel. Bitwise repeatable too. On an H100
+(2026-12-07) it took 0.89-0.92x split's time at every D = 64 shape measured (T 512-16384); one job a block
+(before the ticket) it lost at T <= 1024. KILN_ATTENTION_BWD=auto, the default, runs split-tma at head dim 64
+and split at the others.
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
 products need 64 rows at D = 64).
@@ -122,9 +122,6 @@ BWD_TMA_HEAD_DIMS = (64,)
 BWD_TMA_BLOCK_ROWS = 2 * TC_ROWS
 BWD_TMA_ROWS = 64
 BWD_TMA_STAGES = 4
-# KILN_ATTENTION_BWD=auto: split-tma from this many query and key rows (H100, 2026-12-07: 0.90-0.92x split's
-# time at 4096 and more, 0.98x at 2048, 1.02x at 1024)
-SPLIT_TMA_MIN_ROWS = 4096
 
 
 def _instantiations():
@@ -175,14 +172,12 @@ def bwd_variant() -> str:
     return _variant("KILN_ATTENTION_BWD", BWD_VARIANTS)
 
 
-def bwd_kernels(tensor_cores: bool, d: int, n_q: int, n_k: int) -> str:
-    """The backward that runs: KILN_ATTENTION_BWD's, where it covers the case (tensor cores, its head dims),
-    "auto" resolved (split-tma at head dim 64 and SPLIT_TMA_MIN_ROWS query and key rows), else split."""
+def bwd_kernels(tensor_cores: bool, d: int) -> str:
+    """The backward that runs: KILN_ATTENTION_BWD's where it covers the case (tensor cores, its head dims), "auto"
+    split-tma where that does (head dim 64), else split."""
     variant = bwd_variant() if tensor_cores and d in FUSED_HEAD_DIMS else "split"
-    if variant == "auto":
-        variant = "split-tma" if d in BWD_TMA_HEAD_DIMS and min(n_q, n_k) >= SPLIT_TMA_MIN_ROWS else "split"
-    if variant == "split-tma" and d not in BWD_TMA_HEAD_DIMS:
-        variant = "split"
+    if variant in ("auto", "split-tma"):
+        variant = "split-tma" if d in BWD_TMA_HEAD_DIMS else "split"
     return variant
 
 
@@ -401,7 +396,7 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     (dq,), dqs = _destinations(None if into is None else into[:1], q)
     (dk, dv), dkvs = _destinations(None if into is None else into[1:], k, 2)
     delta = cp.empty((b, h, n_q), dtype=cp.float32)
-    variant = bwd_kernels(tc, d, n_q, n_k)
+    variant = bwd_kernels(tc, d)
     maps = _bwd_tile_maps(q, grad, k, v) if variant == "split-tma" and n_q and n_k else None
     if maps is not None:  # dQ first: its consumers form delta from their dO and O fragments, which dK/dV reads
         q_map, g_map, k_map, v_map = maps
