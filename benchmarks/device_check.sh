@@ -129,14 +129,14 @@ for p in "$@"; do
                            print(*(l for l in r.log.splitlines() if 'C75' in l), sep='\n')"
                        # a hang (a turn never given) or a fault shows here, in 2 minutes, before the long parts run
                        part attention-bwd-smoke 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider \
-                           tests/test_op_attention.py -k "bwd_fused_equals_split and (shape0 or shape1)" &&
-                       part attention-bwd-bench 200 python3 benchmarks/attention.py --bwd split,fused-bulk &&
+                           tests/test_op_attention.py -k "bwd_variant_equals_split and (shape0 or shape1)" &&
+                       part attention-bwd-bench 200 python3 benchmarks/attention.py --bwd split,split-tma,fused-bulk &&
                        part attention-bwd-tests 200 python3 -m pytest -q -m "cuda and not slow" -p no:cacheprovider \
-                           tests/test_op_attention.py -k "fused" ;;
+                           tests/test_op_attention.py -k "fused or split-tma or variant_equals or tma_is" ;;
         attention) part attention-fused-tests 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
                        tests/test_op_attention.py -k "bwd_fused_masks or bwd_fused_replays"
                    part attention-bench 330 python3 benchmarks/attention.py --fwd wgmma,tma,tma-pingpong \
-                       --bwd split,fused-bulk ;;
+                       --bwd split,split-tma,fused-bulk ;;
         attention-tiles) for spec in "" "64:32x3,128:16x1" "64:32x2"; do  # each in its own processes: read at import
                              tag=${spec:-default}; tag=${tag//[:,]/-}
                              export KILN_ATTENTION_DKDV_TILES=$spec

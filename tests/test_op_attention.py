@@ -267,52 +267,30 @@ FUSED_SHAPES = [((16, 12, 1024, 1024, 64), True, 0), ((4, 16, 2048, 2048, 128), 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["fused-bulk", "split-tma"])
 @pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
-def test_attention_bwd_fused_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype):
-    """The fused backward against the split kernels on the same inputs, within the dtype's tolerance
-    and elementwise within a few ulps (a query tile that missed a key block's contribution is off by
-    far more; one never written stays NaN: dq, dk, dv are written into NaN-filled destinations)."""
+def test_attention_bwd_variant_equals_split(gpu, rng, monkeypatch, variant, shape, causal, offset, dtype):
+    """The fused backward, and split-tma's kernels (two consumer warpgroups of 64 rows, the streamed tiles by
+    TMA: the one-warpgroup kernels' products over the same 64-row tiles in the same order), against the split
+    kernels on the same inputs, within the dtype's tolerance and elementwise within a few ulps (a query tile that
+    missed a key block's contribution is off by far more; one never written stays NaN: dq, dk, dv are written
+    into NaN-filled destinations)."""
     b, h, tq, tk, d = shape
+    _fused_runs(variant, dtype, d)
     xp = gpu.xp
     q, g = (gpu.asarray(rand((b, h, tq, d), dtype, rng)) for _ in range(2))
     k, v = (gpu.asarray(rand((b, h, tk, d), dtype, rng)) for _ in range(2))
     scale = 1.0 / math.sqrt(d)
     out, lse = gpu.attention_fwd(q, k, v, scale, causal=causal, offset=offset)
     grads = {}
-    for variant in ("split", "fused-bulk"):
-        monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
+    for name in ("split", variant):
+        monkeypatch.setenv("KILN_ATTENTION_BWD", name)
         into = tuple(xp.full(a.shape, xp.nan, dtype=a.dtype) for a in (q, k, v))
-        grads[variant] = [gpu.to_numpy(a).astype(np.float64) for a in
-                          gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
+        grads[name] = [gpu.to_numpy(a).astype(np.float64) for a in
+                       gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
     eps = float(ml_dtypes.finfo(dtype).eps)  # both round the same fp32 sums (up to order) to dtype: a few ulps apart
-    for got, ref in zip(grads["fused-bulk"], grads["split"]):
-        close(gpu, got, ref, dtype)
-        bound = 4 * eps * (np.abs(ref) + 0.05 * np.abs(ref).max())
-        assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
-@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
-def test_attention_bwd_tma_equals_split(gpu, rng, monkeypatch, shape, causal, offset, dtype):
-    """split-tma's kernels (two consumer warpgroups of 64 rows, the streamed tiles by TMA) make the one-warpgroup
-    kernels' products over the same 64-row tiles in the same order: dq, dk and dv within a few ulps of split's
-    (every element written: NaN-filled destinations)."""
-    b, h, tq, tk, d = shape
-    xp = gpu.xp
-    q, g = (gpu.asarray(rand((b, h, tq, d), dtype, rng)) for _ in range(2))
-    k, v = (gpu.asarray(rand((b, h, tk, d), dtype, rng)) for _ in range(2))
-    scale = 1.0 / math.sqrt(d)
-    out, lse = gpu.attention_fwd(q, k, v, scale, causal=causal, offset=offset)
-    grads = {}
-    for variant in ("split", "split-tma"):
-        monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
-        into = tuple(xp.full(a.shape, xp.nan, dtype=a.dtype) for a in (q, k, v))
-        grads[variant] = [gpu.to_numpy(a).astype(np.float64) for a in
-                          gpu.attention_bwd(g, q, k, v, out, lse, scale, into=into, causal=causal, offset=offset)]
-    eps = float(ml_dtypes.finfo(dtype).eps)
-    for got, ref in zip(grads["split-tma"], grads["split"]):
+    for got, ref in zip(grads[variant], grads["split"]):
         close(gpu, got, ref, dtype)
         bound = 4 * eps * (np.abs(ref) + 0.05 * np.abs(ref).max())
         assert (np.abs(got - ref) <= bound).all(), f"{(np.abs(got - ref) > bound).sum()} elements off"
