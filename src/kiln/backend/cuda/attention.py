@@ -116,7 +116,7 @@ RESIDENT_BLOCKS = 3
 TMA_PRODUCER_REGS = 24
 TMA_CONSUMER_REGS = 240
 # attention_bwd_dkdv_tma and attention_bwd_dq_tma (KILN_ATTENTION_BWD=split-tma): BWD_TMA_BLOCK_ROWS keys
-# or queries a block (two consumer warpgroups of TC_ROWS), the other operand streamed in tiles of BWD_TMA_ROWS
+# or queries a job (two consumer warpgroups of TC_ROWS), the other operand streamed in tiles of BWD_TMA_ROWS
 # rows through a ring of BWD_TMA_STAGES stages (TmaBwdShape), at these head dims
 BWD_TMA_HEAD_DIMS = (64,)
 BWD_TMA_BLOCK_ROWS = 2 * TC_ROWS
@@ -406,7 +406,7 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         tickets = cp.zeros((2,), dtype=cp.int32)  # a ticket a kernel: persistent, as the forward
         get_kernel("attention.cu", f"attention_bwd_dq_tma<{t}, {d}>")(
             (min(n_qb * b * h, sms),), (TMA_THREADS,),
-            (k_map, v_map, q, grad, out, lse, delta, dq, tickets[0:], *ints, *_args(qs, gs, os_, dqs),
+            (k_map, v_map, q, grad, out, lse, delta, dq, tickets, *ints, *_args(qs, gs, os_, dqs),
              i32(head_group(b * h, n_qb, sms))), shared_mem=bwd_tma_shared_bytes(d))
         get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
             (min(n_kb * b * h, sms),), (TMA_THREADS,),
