@@ -115,11 +115,10 @@ RESIDENT_BLOCKS = 3
 # a consumer asking for more than the pool holds waits forever (tests/test_kernel_compile.py checks)
 TMA_PRODUCER_REGS = 24
 TMA_CONSUMER_REGS = 240
-# attention_bwd_dkdv_tma and attention_bwd_dq_tma (KILN_ATTENTION_BWD=split-tma): BWD_TMA_BLOCK_ROWS keys
-# or queries a job (two consumer warpgroups of TC_ROWS), the other operand streamed in tiles of BWD_TMA_ROWS
-# rows through a ring of BWD_TMA_STAGES stages (TmaBwdShape), at these head dims
+# attention_bwd_dkdv_tma and attention_bwd_dq_tma (KILN_ATTENTION_BWD=split-tma): TMA_ROWS keys or queries
+# a job (two consumer warpgroups of TC_ROWS), the other operand streamed in tiles of BWD_TMA_ROWS rows through
+# a ring of BWD_TMA_STAGES stages (TmaBwdShape), at these head dims
 BWD_TMA_HEAD_DIMS = (64,)
-BWD_TMA_BLOCK_ROWS = 2 * TC_ROWS
 BWD_TMA_ROWS = 64
 BWD_TMA_STAGES = 4
 
@@ -400,7 +399,7 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     maps = _bwd_tile_maps(q, grad, k, v) if variant == "split-tma" and n_q and n_k else None
     if maps is not None:  # dQ first: its consumers form delta from their dO and O fragments, which dK/dV reads
         q_map, g_map, k_map, v_map = maps
-        n_qb, n_kb, sms = cdiv(n_q, BWD_TMA_BLOCK_ROWS), cdiv(n_k, BWD_TMA_BLOCK_ROWS), rt.sm_count()
+        n_qb, n_kb, sms = cdiv(n_q, TMA_ROWS), cdiv(n_k, TMA_ROWS), rt.sm_count()
         ints = (i32(n_q), i32(n_k), i32(off), i32(h), i32(b * h), f32(scale))
         rt.stream()  # the memset below is CuPy's: on kiln's stream, so a captured step zeroes every replay
         tickets = cp.zeros((2,), dtype=cp.int32)  # a ticket a kernel: persistent, as the forward

@@ -1698,8 +1698,9 @@ __device__ __forceinline__ void frag_load_a_smem(u32 (&a)[D / 16][4], u32 tile, 
 }
 
 // One job of a persistent block: query rows [m0, m0 + kTmaRows) of head bh (= b * n_h + h) against
-// its n_tiles key tiles; job w in GroupedJob's order (rank 0: the last rows, which see the most keys).
-struct TmaJob {
+// its n_tiles key tiles of BN keys (the forward's kTmaKeys, the dQ kernel's streamed rows); job w in
+// GroupedJob's order (rank 0: the last rows, which see the most keys).
+template <int BN> struct TmaJob {
     int bh, b, h, m0, n_tiles;
     __device__ __forceinline__ TmaJob(int w, int n_bh, int n_mb, int group, int n_h, int n_q, int n_k, int off) {
         const GroupedJob jb(w, n_bh, n_mb, group);
@@ -1708,7 +1709,7 @@ struct TmaJob {
         h = bh % n_h;
         m0 = (n_mb - 1 - jb.rank) * kTmaRows;
         const int k_end = min(n_k, min(m0 + kTmaRows, n_q) - 1 + off + 1);  // keys some row of the job sees
-        n_tiles = (k_end - 1) / kTmaKeys + 1;
+        n_tiles = (k_end - 1) / BN + 1;
     }
 };
 
@@ -1815,7 +1816,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                 mbar_arrive(q_full);
                 return;
             }
-            const TmaJob jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
+            const TmaJob<BN> jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
             mbar_expect_tx(q_full, Shape::Q_BYTES);
             tma_tile<kTmaRows, D>(qs, q_map, jb.m0, jb.h, jb.b, q_full);
             for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
@@ -1838,7 +1839,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         int w;
         asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w) : "r"(job_slot) : "memory");
         if (w >= n_work) break;
-        const TmaJob jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
+        const TmaJob<BN> jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
         const int row0 = jb.m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
         u32 qa[D / 16][4];
         frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
@@ -1936,6 +1937,23 @@ template <int D> struct TmaBwdShape {
     static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 2);
 };
 
+// One job of a persistent dK/dV block: keys [n0, n0 + kTmaRows) of head bh (= b * n_h + h) against the n_tiles
+// query tiles of BQ rows from q_begin that see some of them; job w in GroupedJob's order (rank 0: the first keys,
+// which the most queries see).
+template <int BQ> struct TmaKeyJob {
+    int bh, b, h, n0, q_begin, n_tiles;
+    __device__ __forceinline__ TmaKeyJob(int w, int n_bh, int n_kb, int group, int n_h, int n_q, int off) {
+        const GroupedJob jb(w, n_bh, n_kb, group);
+        bh = jb.bh;
+        b = bh / n_h;
+        h = bh % n_h;
+        n0 = jb.rank * kTmaRows;
+        q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
+        n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+    }
+};
+static_assert(kTmaRows == 2 * kTcRows, "the split-tma kernels' jobs are two consumer warpgroups' rows");
+
 // The persistent backward blocks' job hand-over: the producer's thread 0 takes job number w (the block's
 // index first, then from the ticket), waits until every reader of the last one has it (job_empty), writes w
 // to the slot and arrives on job_full; a reader waits on job_full, reads w and arrives on job_empty. w >= n_work:
@@ -1974,7 +1992,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
     const u32 job_slot = base + Shape::JOB_OFFSET;
     float* const vec = reinterpret_cast<float*>(dsmem + (base - smem_addr(dsmem)) + Shape::VEC_OFFSET);
-    const int n_kb = (n_k + 2 * kTcRows - 1) / (2 * kTcRows), n_work = n_kb * n_bh;
+    const int n_kb = (n_k + kTmaRows - 1) / kTmaRows, n_work = n_kb * n_bh;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
@@ -1995,29 +2013,26 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             const int w = threadIdx.x == 0 ? bwd_take_job(job, ticket, job_full, job_empty, job_slot)
                                            : bwd_read_job(job, job_full, job_empty, job_slot);
             if (w >= n_work) return;
-            const GroupedJob jb(w, n_bh, n_kb, group);
-            const int q_begin = (max(jb.rank * 2 * kTcRows - off, 0) / BQ) * BQ;
-            const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
+            const TmaKeyJob<BQ> jb(w, n_bh, n_kb, group, n_h, n_q, off);
             if (threadIdx.x == 0) {
-                const int b = jb.bh / n_h, h = jb.bh % n_h;
-                for (int it = 0; it < n_tiles; ++it, ++kv) {
+                for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
                     const int s = kv % S;
                     mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
                     mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
                     const u32 st = base + s * Shape::STAGE_BYTES;
-                    tma_tile<BQ, D>(st, q_map, q_begin + it * BQ, h, b, full + 8 * s);
-                    tma_tile<BQ, D>(st + Shape::TILE_BYTES, g_map, q_begin + it * BQ, h, b, full + 8 * s);
+                    tma_tile<BQ, D>(st, q_map, jb.q_begin + it * BQ, jb.h, jb.b, full + 8 * s);
+                    tma_tile<BQ, D>(st + Shape::TILE_BYTES, g_map, jb.q_begin + it * BQ, jb.h, jb.b, full + 8 * s);
                 }
             } else {
                 const float* const l_row = lse + (long long)jb.bh * n_q;
                 const float* const d_row = delta + (long long)jb.bh * n_q;
-                for (int it = 0; it < n_tiles; ++it, ++kv) {
+                for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
                     const int s = kv % S;
                     mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);
                     float* const l = vec + s * 2 * BQ;
 #pragma unroll
                     for (int i = lane; i < BQ; i += 32) {
-                        const int query = q_begin + it * BQ + i;
+                        const int query = jb.q_begin + it * BQ + i;
                         l[i] = query < n_q ? l_row[query] * kLog2e : 0.0f;
                         l[BQ + i] = query < n_q ? d_row[query] : 0.0f;
                     }
@@ -2033,11 +2048,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     for (int job = 0;; ++job) {
         const int w = bwd_read_job(job, job_full, job_empty, job_slot);
         if (w >= n_work) break;
-        const GroupedJob jb(w, n_bh, n_kb, group);
-        const int n0 = jb.rank * 2 * kTcRows;  // this job's first key
-        const int q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
-        const int n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
-        const int key0 = n0 + (wg - 1) * kTcRows + warp * 16;
+        const TmaKeyJob<BQ> jb(w, n_bh, n_kb, group, n_h, n_q, off);
+        const int key0 = jb.n0 + (wg - 1) * kTcRows + warp * 16;
         u32 ka[D / 16][4], va[D / 16][4];
         {
             const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
@@ -2047,19 +2059,19 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         float dk_acc[D / 8][4], dv_acc[D / 8][4];
         zero_acc(dk_acc);
         zero_acc(dv_acc);
-        for (int it = 0; it < n_tiles; ++it) {
-            const int s = (kv + it) % S, q0 = q_begin + it * BQ;
+        for (int it = 0; it < jb.n_tiles; ++it) {
+            const int s = (kv + it) % S, q0 = jb.q_begin + it * BQ;
             const u32 qb = base + s * Shape::STAGE_BYTES, gb = qb + Shape::TILE_BYTES;
             const float* const l = vec + s * 2 * BQ;
             mbar_wait(full + 8 * s, ((kv + it) / S) & 1);
-            if (q0 + BQ - 1 + off < n0 + (wg - 1) * kTcRows) {  // every query of the tile before this warpgroup's keys
+            if (q0 + BQ - 1 + off < jb.n0 + (wg - 1) * kTcRows) {  // every query of the tile before this warpgroup's keys
                 mbar_arrive(empty + 8 * s);
                 continue;
             }
             dkdv_tile<T, BQ, D>(dk_acc, dv_acc, ka, va, qb, gb, l, l + BQ, 1.0f, q0, key0, n_q, off, sl2);
             mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
         }
-        kv += n_tiles;
+        kv += jb.n_tiles;
         const long long gbase = head_offset(jb.bh, n_h, dkv_sb, dkv_sh);
         frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
         frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
@@ -2092,7 +2104,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const u32 base = align1024(dsmem);
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
     const u32 job_slot = base + Shape::JOB_OFFSET;
-    const int n_qb = (n_q + 2 * kTcRows - 1) / (2 * kTcRows), n_work = n_qb * n_bh;
+    const int n_qb = (n_q + kTmaRows - 1) / kTmaRows, n_work = n_qb * n_bh;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
@@ -2111,18 +2123,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         for (int job = 0;; ++job) {
             const int w = bwd_take_job(job, ticket, job_full, job_empty, job_slot);
             if (w >= n_work) return;
-            const GroupedJob jb(w, n_bh, n_qb, group);
-            const int m0 = (n_qb - 1 - jb.rank) * 2 * kTcRows;  // the longest rows first
-            const int k_end = min(n_k, min(m0 + 2 * kTcRows, n_q) - 1 + off + 1);  // keys some row of the job sees
-            const int n_tiles = (k_end - 1) / BN + 1;
-            const int b = jb.bh / n_h, h = jb.bh % n_h;
-            for (int it = 0; it < n_tiles; ++it, ++kv) {
+            const TmaJob<BN> jb(w, n_bh, n_qb, group, n_h, n_q, n_k, off);
+            for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
                 const int s = kv % S;
                 mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
                 mbar_expect_tx(full + 8 * s, Shape::STAGE_BYTES);
                 const u32 st = base + s * Shape::STAGE_BYTES;
-                tma_tile<BN, D>(st, k_map, it * BN, h, b, full + 8 * s);
-                tma_tile<BN, D>(st + Shape::TILE_BYTES, v_map, it * BN, h, b, full + 8 * s);
+                tma_tile<BN, D>(st, k_map, it * BN, jb.h, jb.b, full + 8 * s);
+                tma_tile<BN, D>(st + Shape::TILE_BYTES, v_map, it * BN, jb.h, jb.b, full + 8 * s);
             }
         }
     }
@@ -2133,11 +2141,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     for (int job = 0;; ++job) {
         const int w = bwd_read_job(job, job_full, job_empty, job_slot);
         if (w >= n_work) break;
-        const GroupedJob jb(w, n_bh, n_qb, group);
-        const int m0 = (n_qb - 1 - jb.rank) * 2 * kTcRows;  // this job's first row
-        const int k_end = min(n_k, min(m0 + 2 * kTcRows, n_q) - 1 + off + 1);
-        const int n_tiles = (k_end - 1) / BN + 1;
-        const int wg_row0 = m0 + (wg - 1) * kTcRows;
+        const TmaJob<BN> jb(w, n_bh, n_qb, group, n_h, n_q, n_k, off);
+        const int wg_row0 = jb.m0 + (wg - 1) * kTcRows;
         const int row0 = wg_row0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
         // keys this warpgroup's rows see (none where they all lie past n_q)
         const int wg_k_end = wg_row0 < n_q ? min(n_k, min(wg_row0 + kTcRows, n_q) - 1 + off + 1) : 0;
@@ -2167,7 +2172,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
         float dq_acc[D / 8][4];
         zero_acc(dq_acc);
-        for (int it = 0; it < n_tiles; ++it) {
+        for (int it = 0; it < jb.n_tiles; ++it) {
             const int s = (kv + it) % S, n0 = it * BN;
             const u32 kb = base + s * Shape::STAGE_BYTES, vb = kb + Shape::TILE_BYTES;
             mbar_wait(full + 8 * s, ((kv + it) / S) & 1);
@@ -2178,7 +2183,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             dq_tile<T, BN, D>(dq_acc, qa, ga, kb, vb, n0, row0, n_k, off, sl2, lse_lo, lse_hi, dl_lo, dl_hi);
             mbar_arrive(empty + 8 * s);
         }
-        kv += n_tiles;
+        kv += jb.n_tiles;
         frag_store<T, D>(dq + head_offset(jb.bh, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
     }
 }
