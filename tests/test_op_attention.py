@@ -67,7 +67,7 @@ def bwd(request, monkeypatch):
 
 def _fused_runs(bwd, dtype, d):
     """Skips a variant's case where the launcher runs the split kernels anyway (float32; head dims
-    other than 64 and 128 for the fused backward, other than 64 for split-tma): the same test twice."""
+    other than 64 and 128 for the fused backward and for split-tma): the same test twice."""
     from kiln.backend.cuda.attention import BWD_TMA_HEAD_DIMS, FUSED_HEAD_DIMS
     dims = {"fused-bulk": FUSED_HEAD_DIMS, "split-tma": BWD_TMA_HEAD_DIMS}.get(bwd)
     if dims is not None and (np.dtype(dtype) == np.float32 or d not in dims):
@@ -321,17 +321,18 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
         bwd_variant()
 
 
-def test_attention_bwd_auto_takes_split_tma_at_head_dim_64(monkeypatch):
+def test_attention_bwd_auto_takes_split_tma_at_head_dims_64_and_128(monkeypatch):
     from kiln.backend.cuda.attention import bwd_kernels
     monkeypatch.delenv("KILN_ATTENTION_BWD", raising=False)
     assert bwd_kernels(True, 64) == "split-tma"
-    assert bwd_kernels(True, 128) == "split"  # split-tma has head dim 64 only
+    assert bwd_kernels(True, 128) == "split-tma"
     assert bwd_kernels(True, 48) == "split"
     assert bwd_kernels(False, 64) == "split"  # float32: the CUDA-core kernels
     monkeypatch.setenv("KILN_ATTENTION_BWD", "split")
     assert bwd_kernels(True, 64) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "split-tma")
-    assert bwd_kernels(True, 128) == "split"
+    assert bwd_kernels(True, 128) == "split-tma"
+    assert bwd_kernels(True, 48) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
     assert bwd_kernels(True, 128) == "fused-bulk"
     assert bwd_kernels(True, 48) == "split"
@@ -562,6 +563,14 @@ def test_attention_fwd_tma_with_polynomial_exponentials_matches_the_cpu_referenc
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+def test_attention_bwd_tma_fits_in_shared_memory():
+    """The split-tma kernels' stages, lse/delta, (dK/dV at head dim 128) the consumers' K and V tiles, mbarriers
+    and job slot fit the H200's 227 KiB a block."""
+    from kiln.backend.cuda.attention import BWD_TMA_HEAD_DIMS, bwd_tma_shared_bytes
+    assert [bwd_tma_shared_bytes(d) for d in BWD_TMA_HEAD_DIMS] == [68696, 199768]
+    assert all(bwd_tma_shared_bytes(d) <= 227 * 1024 for d in BWD_TMA_HEAD_DIMS)
 
 
 def test_attention_fwd_tma_fits_in_shared_memory():

@@ -31,15 +31,16 @@ flash-attention 2 and 3's backwards), then `attention_bwd_dq_store` writes dq. G
 (2026-12-06, 6b8da99) it took 0.78-0.88x split's time at D = 64 (1.0x at 16x12x1024x64, 1.15x at
 32x12x512x64), 1.10-1.14x at D = 128; adding dQ in a fixed order behind semaphores instead, or per
 element with RED, was slower still at every shape (H100): both were removed.
-KILN_ATTENTION_BWD=split-tma (head dim 64) is split with both kernels in the TMA forward's structure
+KILN_ATTENTION_BWD=split-tma (head dims 64 and 128) is split with both kernels in the TMA forward's structure
 (`attention_bwd_dkdv_tma`, `attention_bwd_dq_tma`: persistent, one block an SM taking jobs from a ticket; a
 producer warpgroup loads the streamed tiles by TMA into a ring of stages, Q and dO for dK/dV (its warp 1 their
 lse and delta), K and V for dQ; two consumer warpgroups of 64 rows share every stage, so a tile crosses into
 shared memory once for 128 rows). Its dQ kernel runs first and forms delta itself (rowsum(dO·O) from its
 consumers' dO and O fragments, written for dK/dV): no delta kernel. Bitwise repeatable too. On an H100
-(2026-12-07) it took 0.89-0.92x split's time at every D = 64 shape measured (T 512-16384); one job a block
-(before the ticket) it lost at T <= 1024. KILN_ATTENTION_BWD=auto, the default, runs split-tma at head dim 64
-and split at the others.
+(2026-12-07) it took 0.89-0.92x split's time at every D = 64 shape measured (T 512-16384), 0.79x at the three
+D = 128 shapes; one job a block (before the ticket) it lost at T <= 1024. At head dim 128 the dK/dV kernel's
+consumers read K and V from shared memory: its registers do not hold them besides dK and dV there.
+KILN_ATTENTION_BWD=auto, the default, runs split-tma at head dims 64 and 128 and split at the others.
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
 products need 64 rows at D = 64). KILN_ATTENTION_EXP2_FMA (likewise) moves part of the TMA forward's
@@ -142,7 +143,7 @@ TMA_CONSUMER_REGS = 240
 # attention_bwd_dkdv_tma and attention_bwd_dq_tma (KILN_ATTENTION_BWD=split-tma): TMA_ROWS keys or queries
 # a job (two consumer warpgroups of TC_ROWS), the other operand streamed in tiles of BWD_TMA_ROWS rows through
 # a ring of BWD_TMA_STAGES stages (TmaBwdShape), at these head dims
-BWD_TMA_HEAD_DIMS = (64,)
+BWD_TMA_HEAD_DIMS = (64, 128)
 BWD_TMA_ROWS = 64
 BWD_TMA_STAGES = 4
 
@@ -198,7 +199,7 @@ def bwd_variant() -> str:
 
 def bwd_kernels(tensor_cores: bool, d: int) -> str:
     """The backward that runs: KILN_ATTENTION_BWD's where it covers the case (tensor cores, its head dims), "auto"
-    split-tma where that does (head dim 64), else split."""
+    split-tma where that does (head dims 64 and 128), else split."""
     variant = bwd_variant() if tensor_cores and d in FUSED_HEAD_DIMS else "split"
     if variant in ("auto", "split-tma"):
         variant = "split-tma" if d in BWD_TMA_HEAD_DIMS else "split"
@@ -332,9 +333,10 @@ def _mask_offset(q, k, causal: bool, offset: int) -> int:
 
 def bwd_tma_shared_bytes(d: int) -> int:
     """The split-tma kernels' dynamic shared memory (TmaBwdShape): per stage two tiles of BWD_TMA_ROWS rows
-    and (dK/dV's) their lse and delta, the stages' full and empty mbarriers, the job hand-over's two mbarriers
-    and its slot, and 1024 bytes to align the tiles."""
-    return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + 2 * 8 + 8 + 1024
+    and (dK/dV's) their lse and delta, at head dim 128 the consumers' K and V tiles (dK/dV's), the stages' full
+    and empty mbarriers, the job hand-over's two mbarriers and its slot, and 1024 bytes to align the tiles."""
+    kv_tiles = 2 * 2 * TC_ROWS * d * 2 if d >= 128 else 0
+    return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + kv_tiles + 2 * 8 + 8 + 1024
 
 
 def _tile_maps(q, k, v):

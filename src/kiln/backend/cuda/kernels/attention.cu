@@ -744,14 +744,15 @@ __device__ __forceinline__ void tile_async(u32 dst, const T* __restrict__ src, i
 }
 
 // The same for two matrices of one layout (K and V): the offsets are computed once for both.
+// tid: this thread's index among the warpgroup's 128 that copy (threadIdx.x in the one-warpgroup kernels).
 template <int R, int D, typename T>
 __device__ __forceinline__ void tile2_async(u32 dst_a, const T* __restrict__ a, u32 dst_b, const T* __restrict__ b,
-                                            int ld, int r0, int n) {
+                                            int ld, int r0, int n, int tid = threadIdx.x) {
     constexpr int CH = D / 8;
     static_assert((R * CH) % kAttnThreads == 0, "tile chunks must divide among the threads");
 #pragma unroll
     for (int it = 0; it < R * CH / kAttnThreads; ++it) {
-        const int i = it * kAttnThreads + threadIdx.x, r = i / CH, ch = i % CH;
+        const int i = it * kAttnThreads + tid, r = i / CH, ch = i % CH;
         const bool ok = r0 + r < n;
         const int off = (ok ? r0 + r : 0) * ld + ch * 8;
         const u32 s = SwTile<R, D>::chunk(r, ch);
@@ -1124,16 +1125,78 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::fwd_blocks)
     }
 }
 
+// wgmma.mma_async m64nNk16, A and B both by descriptor; TA = 1 takes A M-major (the tile is Aᵀ).
+template <typename T, int N> struct WgmmaSS;
+template <> struct WgmmaSS<__nv_bfloat16, 16> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[2][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, %11;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+template <> struct WgmmaSS<__half, 16> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[2][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, %11;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+template <> struct WgmmaSS<__nv_bfloat16, 64> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[8][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+template <> struct WgmmaSS<__half, 64> {
+    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[8][4], u64 adesc, u64 bdesc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
+                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
+    }
+};
+
+// acc[N/8][4] (+)= A[64, K] · B, both read from SwTiles in shared memory at a and b (A: rows M, read
+// K-major, or with TA = 1 rows K, M-major; B as wg_issue's), issued and committed, not waited for;
+// first = 0 overwrites acc (the first k-step's scale-d is 0).
+template <typename T, int N, int K, typename ATile, typename BTile, int TA, int TB>
+__device__ __forceinline__ void wg_issue_ss(float (&acc)[N / 8][4], u32 a, u32 b, int first) {
+    fence_regs(acc);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+        WgmmaSS<T, N>::template run<TA, TB>(acc, TA ? ATile::mn_major(a, kk) : ATile::k_major(a, kk),
+                                            TB ? BTile::mn_major(b, kk) : BTile::k_major(b, kk), kk > 0 || first);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Sᵀ = K·Qᵀ or dPᵀ = V·dOᵀ of a warpgroup's 64 keys (as wg_issue, overwriting acc where Overwrite): K (V) as
+// the A operand from this warp's fragments in registers, or from the warpgroup's SwTile<kTcRows, D> at a shared
+// address (the dK/dV kernel with TMA at D = 128, whose registers do not hold K and V besides dK and dV).
+template <typename T, int BQ, int D, bool Overwrite>
+__device__ __forceinline__ void key_rows_issue(float (&acc)[BQ / 8][4], const u32 (&a)[D / 16][4], u32 b) {
+    wg_issue<T, BQ, D, BQ, D, 0, Overwrite>(acc, a, b);
+}
+template <typename T, int BQ, int D, bool Overwrite>
+__device__ __forceinline__ void key_rows_issue(float (&acc)[BQ / 8][4], u32 a, u32 b) {
+    wg_issue_ss<T, BQ, D, SwTile<kTcRows, D>, SwTile<BQ, D>, 0, 0>(acc, a, b, Overwrite ? 0 : 1);
+}
+
 // One tile of the dK/dV kernels (attention_bwd_dkdv_tc, attention_bwd_dkdv_tma), a warpgroup's 64 keys against
 // BQ queries q0..: Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ - lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ - delta), dK += dSᵀ·Q.
-// ka, va: this warp's K and V rows as A fragments; qb, gb: the Q and dO tiles in shared memory; ls, ds_row: the
+// ka, va: this warp's K and V rows as A fragments, or the warpgroup's K and V tiles' shared addresses
+// (key_rows_issue); qb, gb: the Q and dO tiles in shared memory; ls, ds_row: the
 // tile's lse (times lse_scale gives log2 units) and delta in shared memory. Sᵀ and dPᵀ are issued together; P is
 // formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs. They overwrite p and ds (scale-d 0 at the first k-step),
 // except at D = 128, where ptxas then serialised the products for want of registers (C7512): zeroed there,
 // before S is issued.
-template <typename T, int BQ, int D>
+template <typename T, int BQ, int D, typename KeyRows>
 __device__ __forceinline__ void dkdv_tile(float (&dk_acc)[D / 8][4], float (&dv_acc)[D / 8][4],
-                                          const u32 (&ka)[D / 16][4], const u32 (&va)[D / 16][4], u32 qb, u32 gb,
+                                          const KeyRows& ka, const KeyRows& va, u32 qb, u32 gb,
                                           const float* ls, const float* ds_row, float lse_scale, int q0, int key0,
                                           int n_q, int off, float sl2) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, key_lo = key0 + g, key_hi = key_lo + 8;
@@ -1146,8 +1209,8 @@ __device__ __forceinline__ void dkdv_tile(float (&dk_acc)[D / 8][4], float (&dv_
         zero_acc(ds);
         fence_regs(ds);  // not while S runs (ptxas would wait for it)
     }
-    wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(p, ka, qb);   // Sᵀ = K·Qᵀ
-    wg_issue<T, BQ, D, BQ, D, 0, kOverwrite>(ds, va, gb);  // dPᵀ = V·dOᵀ
+    key_rows_issue<T, BQ, D, kOverwrite>(p, ka, qb);   // Sᵀ = K·Qᵀ
+    key_rows_issue<T, BQ, D, kOverwrite>(ds, va, gb);  // dPᵀ = V·dOᵀ
     wg_wait<1>();
     fence_regs(p);
 #pragma unroll
@@ -1348,41 +1411,6 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // 1.03-1.20x. Against the split kernels this one wins only at D = 64 and T >= 2048.)
 // Head dims that are multiples of 64 (the M of dQᵀ's wgmma is D, 64 rows per product).
 
-// wgmma.mma_async m64nNk16, A and B both by descriptor; TA = 1 takes A M-major (the tile is Aᵀ).
-template <typename T, int N> struct WgmmaSS;
-template <> struct WgmmaSS<__nv_bfloat16, 16> {
-    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[2][4], u64 adesc, u64 bdesc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, %11;\n}\n"
-                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
-                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
-    }
-};
-template <> struct WgmmaSS<__half, 16> {
-    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[2][4], u64 adesc, u64 bdesc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, %11;\n}\n"
-                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3])
-                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
-    }
-};
-template <> struct WgmmaSS<__nv_bfloat16, 64> {
-    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[8][4], u64 adesc, u64 bdesc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
-                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
-                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
-    }
-};
-template <> struct WgmmaSS<__half, 64> {
-    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[8][4], u64 adesc, u64 bdesc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
-                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
-                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
-    }
-};
-
 // Stores the 16 x BQ tile of dSᵀ a warp holds as A fragments (c_to_a's da: rows = keys key0..key0+15
 // of the block, columns = the tile's queries) transposed into the SwTile<BQ, 64> at shared address
 // dst, rows = queries, columns = keys: stmatrix .trans writes each 8 x 8 piece as its transpose,
@@ -1396,20 +1424,6 @@ __device__ __forceinline__ void ds_store_t(u32 dst, const u32 (&da)[BQ / 16][4],
         asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
                      ::"r"(dst + SwTile<BQ, kTcRows>::chunk(kk * 16 + r, ch)), "r"(da[kk][0]), "r"(da[kk][1]),
                        "r"(da[kk][2]), "r"(da[kk][3]) : "memory");
-}
-
-// acc[N/8][4] (+)= A[64, K] · B, both read from SwTiles in shared memory at a and b (A: rows M, read
-// K-major, or with TA = 1 rows K, M-major; B as wg_issue's), issued and committed, not waited for;
-// first = 0 overwrites acc (the first k-step's scale-d is 0).
-template <typename T, int N, int K, typename ATile, typename BTile, int TA, int TB>
-__device__ __forceinline__ void wg_issue_ss(float (&acc)[N / 8][4], u32 a, u32 b, int first) {
-    fence_regs(acc);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk)
-        WgmmaSS<T, N>::template run<TA, TB>(acc, TA ? ATile::mn_major(a, kk) : ATile::k_major(a, kk),
-                                            TB ? BTile::mn_major(b, kk) : BTile::k_major(b, kk), kk > 0 || first);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void sts128(u32 addr, float a, float b, float c, float d) {
@@ -1634,6 +1648,7 @@ static_assert(kTmaProducerRegs % 8 == 0 && kTmaConsumerRegs % 8 == 0 && kTmaProd
                   kTmaConsumerRegs <= 256 && 128 * kTmaProducerRegs + (kTmaThreads - 128) * kTmaConsumerRegs <= 65536,
               "setmaxnreg takes multiples of 8 in 24..256, within the SM's 64K registers");
 constexpr int kTmaTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and 1's turn (ping-pong)
+constexpr int kTmaConsumerBarrier = 3;  // named barriers 3 and 4: consumer 0's and 1's 128 threads (dK/dV at D 128)
 
 template <int D> struct TmaFwdShape {
     static constexpr int STAGES = D >= 128 ? KILN_ATTN_TMA_STAGES_D128 : KILN_ATTN_TMA_STAGES;
@@ -1958,12 +1973,25 @@ template <int D> struct TmaBwdShape {
     static constexpr int STAGES = KILN_ATTN_BWD_TMA_STAGES;
     static constexpr int TILE_BYTES = SwTile<ROWS, D>::BYTES;
     static constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // Q and dO, or K and V
-    // The stages, then (dK/dV) the lse and delta of each ([STAGES][2][ROWS] floats), then the mbarriers
+    // The stages, then (dK/dV at D >= 128) the two consumers' K and V tiles, then (dK/dV) the lse and delta of
+    // each stage ([STAGES][2][ROWS] floats), then the mbarriers
     // (full[STAGES], empty[STAGES], job_full, job_empty), then the job the producer took (an int); the
     // launcher's bwd_tma_shared_bytes adds 1024 for the alignment.
-    static constexpr int VEC_OFFSET = STAGES * STAGE_BYTES;
+    // dK/dV at D >= 128: each consumer's K and V rows in shared memory (SwTile<kTcRows, D>), not registers
+    static constexpr bool KV_SMEM = D >= 128;
+    static constexpr int KV_TILE_BYTES = SwTile<kTcRows, D>::BYTES;
+    static constexpr int KV_OFFSET = STAGES * STAGE_BYTES;
+    static constexpr int VEC_OFFSET = KV_OFFSET + (KV_SMEM ? 2 * 2 * KV_TILE_BYTES : 0);
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
     static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 2);
+};
+
+// key_rows_issue's A operand: K's (V's) fragments in registers, or its tile's shared address.
+template <bool Smem, int D> struct KeyRowsOf {
+    using type = u32[D / 16][4];
+};
+template <int D> struct KeyRowsOf<true, D> {
+    using type = u32;
 };
 
 // One job of a persistent dK/dV block: keys [n0, n0 + kTmaRows) of head bh (= b * n_h + h) against the n_tiles
@@ -2079,9 +2107,20 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         if (w >= n_work) break;
         const TmaKeyJob<BQ> jb(w, n_bh, n_kb, group, n_h, n_q, off);
         const int key0 = jb.n0 + (wg - 1) * kTcRows + warp * 16;
-        u32 ka[D / 16][4], va[D / 16][4];
-        {
-            const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
+        const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
+        typename KeyRowsOf<Shape::KV_SMEM, D>::type ka, va;
+        if constexpr (Shape::KV_SMEM) {
+            // The warpgroup's 64 rows of K and V into its tiles, once every warp is done with the last job's
+            ka = base + Shape::KV_OFFSET + (wg - 1) * 2 * Shape::KV_TILE_BYTES;
+            va = ka + Shape::KV_TILE_BYTES;
+            named_sync(kTmaConsumerBarrier + wg - 1, 128);
+            tile2_async<kTcRows, D>(ka, k + kvbase, va, v + kvbase, (int)kv_st, jb.n0 + (wg - 1) * kTcRows, n_k,
+                                    (int)threadIdx.x - 128 * wg);
+            cp_async_commit();
+            cp_async_wait_all();
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // for wgmma's reads
+            named_sync(kTmaConsumerBarrier + wg - 1, 128);
+        } else {
             frag_load_a<T, D>(ka, k + kvbase, (int)kv_st, key0, n_k);
             frag_load_a<T, D>(va, v + kvbase, (int)kv_st, key0, n_k);
         }
