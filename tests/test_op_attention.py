@@ -536,35 +536,6 @@ def test_attention_dkdv_tiles_are_the_defaults_or_what_the_tuning_knob_names(mon
             _dkdv_tiles()
 
 
-def test_attention_exp2_fma_periods_are_the_defaults_or_what_the_tuning_knob_names(monkeypatch):
-    from kiln.backend.cuda.attention import EXP2_FMA_DEFAULT, _exp2_fma
-    from kiln.errors import ConfigError
-    monkeypatch.delenv("KILN_ATTENTION_EXP2_FMA", raising=False)
-    assert _exp2_fma() == EXP2_FMA_DEFAULT
-    monkeypatch.setenv("KILN_ATTENTION_EXP2_FMA", "64:4, 128:1")
-    assert _exp2_fma() == {64: 4, 128: 1}
-    for bad in ("64:5", "96:2", "64", "64:x", "x"):
-        monkeypatch.setenv("KILN_ATTENTION_EXP2_FMA", bad)
-        with pytest.raises(ConfigError, match="HEAD_DIM:PERIOD"):
-            _exp2_fma()
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("period", [1, 3])
-def test_attention_fwd_tma_with_polynomial_exponentials_matches_the_cpu_reference(gpu, period):
-    """KILN_ATTENTION_EXP2_FMA (read at import, so in a fresh process): the forward tests above with every
-    (period 1) or every third column group's exponentials of an unmasked tile by the FMA-pipe polynomial."""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "KILN_ATTENTION_EXP2_FMA": f"64:{period},128:{period}"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "cuda and not slow", "-p", "no:cacheprovider",
-                          __file__, "-k", "fwd_tma_matches or fwd_tma_blocks or fwd_tma_agrees"],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert " passed" in out.stdout and " failed" not in out.stdout
-
-
 def test_attention_bwd_tma_fits_in_shared_memory():
     """The split-tma kernels' stages, lse/delta, (dK/dV at head dim 128) the consumers' K and V tiles, mbarriers
     and job slot fit the H200's 227 KiB a block."""

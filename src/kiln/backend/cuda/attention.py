@@ -43,8 +43,7 @@ consumers read K and V from shared memory: its registers do not hold them beside
 KILN_ATTENTION_BWD=auto, the default, runs split-tma at head dims 64 and 128 and split at the others.
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
-products need 64 rows at D = 64). KILN_ATTENTION_EXP2_FMA (likewise) moves part of the TMA forward's
-exponentials from MUFU.EX2 to a polynomial on the FMA pipe (ex2_fma), per head dim.
+products need 64 rows at D = 64).
 
 Work order: the tensor-core kernels take (head, row block) jobs in head groups, longest rows first inside
 a group (GroupedJob in attention.cu; head_group sizes the groups): a group's heads share their operands
@@ -99,29 +98,6 @@ def _dkdv_tiles(env: str = "KILN_ATTENTION_DKDV_TILES") -> dict:
 
 
 DKDV_TILES = _dkdv_tiles()
-# The TMA forward's exponentials: of a tile's 16 column groups (8 keys each), every EXP2_FMA-th is computed as a
-# polynomial on the FMA pipe instead of by MUFU.EX2 (0: none), per head dim, on tiles no key of which is masked.
-# At head dim 64 a tile's exponentials take the SM's MUFU as long as its two products take the tensor cores.
-EXP2_FMA_DEFAULT = {64: 0, 128: 0}
-
-
-def _exp2_fma(env: str = "KILN_ATTENTION_EXP2_FMA") -> dict:
-    """{head dim: period} of the TMA forward's polynomial exponentials: EXP2_FMA_DEFAULT, or what the tuning
-    knob says, e.g. "64:4,128:0"."""
-    periods = dict(EXP2_FMA_DEFAULT)
-    for part in filter(None, os.environ.get(env, "").replace(" ", "").split(",")):
-        try:
-            d, period = (int(x) for x in part.split(":"))
-        except ValueError:
-            d = period = None
-        if d not in periods or period not in (0, 1, 2, 3, 4, 8, 16):
-            raise ConfigError(f"{env}={os.environ[env]!r}: each part is HEAD_DIM:PERIOD with head dim 64 or 128 "
-                              f"and period 0 (none), 1, 2, 3, 4, 8 or 16, e.g. '64:4,128:0'")
-        periods[d] = period
-    return periods
-
-
-EXP2_FMA = _exp2_fma()
 DKDV_Q = {32: DKDV_TILES[64][0], 64: DKDV_TILES[64][0], 128: DKDV_TILES[128][0]}  # TcShape::dkdv_q
 TMA_HEAD_DIMS = (64, 128)
 TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer warpgroups (kTmaThreads)
@@ -174,7 +150,6 @@ register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_DKDV_BLOCKS": DKDV_TILES[64][1], "KILN_ATTN_DKDV_BLOCKS_D128": DKDV_TILES[128][1],
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
     "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
-    "KILN_ATTN_EXP2_FMA": EXP2_FMA[64], "KILN_ATTN_EXP2_FMA_D128": EXP2_FMA[128],
     "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS,
     "KILN_ATTN_BWD_TMA_ROWS": BWD_TMA_ROWS, "KILN_ATTN_BWD_TMA_STAGES": BWD_TMA_STAGES})
 

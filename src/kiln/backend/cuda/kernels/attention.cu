@@ -679,20 +679,6 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-// 2^x for -inf < x <= 0 on the FMA pipe, not MUFU's (flash-attention 4's move, there for Blackwell): x = j + f
-// with j = round(x) (1.5 * 2^23 added: j lands in the mantissa's low bits), 2^f for f in [-0.5, 0.5] a degree-3
-// minimax polynomial (relative error 7.5e-5, within a 16-bit probability's rounding), j added to its exponent.
-// x is clamped at -126, so the result stays a non-negative float (2^-126 where ex2 would give 0 or a denormal).
-// The adds are __fadd_rn so that nothing folds (x + M) - M back to x.
-__device__ __forceinline__ float ex2_fma(float x) {
-    constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-    x = fmaxf(x, -126.0f);
-    const float t = __fadd_rn(x, kRound);
-    const float f = __fadd_rn(x, -__fadd_rn(t, -kRound));
-    const float p = fmaf(fmaf(fmaf(0.05517051f, f, 0.24260853f), f, 0.69326097f), f, 0.99992824f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 template <typename T> __device__ __forceinline__ u32 ld32(const T* p) {
     return *reinterpret_cast<const u32*>(p);
 }
@@ -1759,25 +1745,7 @@ template <int I> struct Tree<1, I> {
 // The online softmax of one tile of scores sc (keys n0.., this thread's rows r_lo and r_hi of the
 // warp's rows row0..row0 + 15), in place: sc becomes the unnormalised probabilities, m and l the
 // running row max (log2 units) and this lane's part of the row sum, a the factor O is rescaled by.
-// sc[j][e] = 2^(sc[j][e] * sl2 - sub) over a tile, every Fma-th column group by ex2_fma (Fma 0: none), and
-// each column group's two sums of a row.
-template <int BN, int Fma>
-__device__ __forceinline__ void tma_exp_tile(float (&sc)[BN / 8][4], float (&t_lo)[BN / 8], float (&t_hi)[BN / 8],
-                                             float sl2, float sub_lo, float sub_hi) {
-    constexpr int kPeriod = Fma > 0 ? Fma : 1;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const bool fma = Fma > 0 && j % kPeriod == kPeriod - 1;
-        sc[j][0] = fma ? ex2_fma(fmaf(sc[j][0], sl2, -sub_lo)) : ex2(fmaf(sc[j][0], sl2, -sub_lo));  // one FFMA
-        sc[j][1] = fma ? ex2_fma(fmaf(sc[j][1], sl2, -sub_lo)) : ex2(fmaf(sc[j][1], sl2, -sub_lo));
-        sc[j][2] = fma ? ex2_fma(fmaf(sc[j][2], sl2, -sub_hi)) : ex2(fmaf(sc[j][2], sl2, -sub_hi));
-        sc[j][3] = fma ? ex2_fma(fmaf(sc[j][3], sl2, -sub_hi)) : ex2(fmaf(sc[j][3], sl2, -sub_hi));
-        t_lo[j] = sc[j][0] + sc[j][1];
-        t_hi[j] = sc[j][2] + sc[j][3];
-    }
-}
-
-template <int BN, int Fma>
+template <int BN>
 __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0, int row0, int r_lo, int r_hi, int c,
                                                  int off, int n_k, float sl2, float& m_lo, float& m_hi, float& l_lo,
                                                  float& l_hi, float& a_lo, float& a_hi) {
@@ -1810,11 +1778,15 @@ __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0,
     a_hi = ex2(m_hi - sub_hi);
     m_lo = mn_lo;
     m_hi = mn_hi;
-    // The polynomial only where no key is masked: there x is finite (a masked key's -inf needs ex2's 0)
-    if (Fma > 0 && !edge)
-        tma_exp_tile<BN, Fma>(sc, t_lo, t_hi, sl2, sub_lo, sub_hi);
-    else
-        tma_exp_tile<BN, 0>(sc, t_lo, t_hi, sl2, sub_lo, sub_hi);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        sc[j][0] = ex2(fmaf(sc[j][0], sl2, -sub_lo));  // one FFMA: scaled and shifted
+        sc[j][1] = ex2(fmaf(sc[j][1], sl2, -sub_lo));
+        sc[j][2] = ex2(fmaf(sc[j][2], sl2, -sub_hi));
+        sc[j][3] = ex2(fmaf(sc[j][3], sl2, -sub_hi));
+        t_lo[j] = sc[j][0] + sc[j][1];
+        t_hi[j] = sc[j][2] + sc[j][3];
+    }
     l_lo = l_lo * a_lo + Tree<BN / 8>::sum(t_lo);  // the quad's parts are summed at the end
     l_hi = l_hi * a_hi + Tree<BN / 8>::sum(t_hi);
 }
@@ -1826,7 +1798,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                       int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, int group, float scale,
                       KILN_LAYOUT(o)) {
     constexpr int BN = kTmaKeys;
-    constexpr int kFma = D >= 128 ? KILN_ATTN_EXP2_FMA_D128 : KILN_ATTN_EXP2_FMA;  // tma_exp_tile's period
     using Shape = TmaFwdShape<D>;
     constexpr int S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
@@ -1905,7 +1876,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<0>();
             fence_regs(sc);
-            tma_softmax_tile<BN, kFma>(sc, 0, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+            tma_softmax_tile<BN>(sc, 0, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
             c_to_a<T, BN>(pa, sc);
         }
         for (int it = 1; it < jb.n_tiles; ++it) {
@@ -1918,7 +1889,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<1>();  // S(it) is done; P(it - 1)·V(it - 1) may still run
             fence_regs(sc);
-            tma_softmax_tile<BN, kFma>(sc, it * BN, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo,
+            tma_softmax_tile<BN>(sc, it * BN, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo,
                                  a_hi);
             wg_wait<0>();  // P(it - 1)·V(it - 1) is in o, and its stage is free
             fence_regs(o);
