@@ -5,7 +5,8 @@
 Causal bf16 at one BxHxTxD (default GPT-2 124M's 16x12x1024x64): every kernel is first run twice
 unprofiled (compiled, autotuned, caches warm), then the profiler range (cudaProfilerStart/Stop)
 holds exactly one call each of kiln's forward (KILN_ATTENTION_FWD as set, default tma-pingpong), its
-split backward (delta, dK/dV, dQ), its fused-bulk backward, and SDPA's forward+backward, in that
+split-tma backward (dQ forming delta, dK/dV), its split backward (delta, dK/dV, dQ), its fused-bulk backward,
+and SDPA's forward+backward, in that
 order, each after a device synchronisation, so `--profile-from-start off` profiles those kernels
 and nothing else. Prints which call each range holds; ncu prints the kernels' sections.
 """
@@ -52,6 +53,7 @@ def main(argv=None) -> int:
         return run
 
     calls = [("kiln forward", lambda: k.attention_fwd(q, kk, v, scale)),
+             ("kiln backward split-tma", backward("split-tma")),
              ("kiln backward split", backward("split")),
              ("kiln backward fused-bulk", backward("fused-bulk")),
              ("sdpa forward+backward", lambda: sdpa_fwd_bwd(tq, tk, tv, tg))]

@@ -41,7 +41,7 @@
 # gemm-tune (issue 14: cuBLASLt algorithm tuning: its CUDA tests and the GEMM probe under tuning, the bf16 step with
 # the heuristic's GEMM algorithms (kiln) beside the tuned ones (kiln-tuned, which tunes in its step 0 on this
 # fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s),
-# attention-ncu (issue 14: Nsight Compute's full set on one call of each attention kernel, kiln's forward, split and
+# attention-ncu (issue 14: Nsight Compute's full set on one call of each attention kernel, kiln's forward, split-tma, split and
 # fused-bulk backwards and SDPA's, at the GPT-2 shape: benchmarks/attention_ncu.py; the report, its details page,
 # its per-SASS-instruction page and their digest by benchmarks/ncu_summary.py, ~1 min).
 set -u
