@@ -1932,7 +1932,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // attention_bwd_dkdv_tc's and attention_bwd_dq_tc's products for 128 rows a block instead of 64, in the TMA
 // forward's structure: warpgroup 0 is the producer (its thread 0 issues the TMA loads of each streamed tile
 // pair into a ring of STAGES stages: Q and dO for dK/dV, K and V for dQ), warpgroups 1 and 2 are the consumers,
-// 64 rows each (their own operands in registers, read once), sharing every stage: a tile crosses from L2 into
+// 64 rows each (their own operands in registers, read once; at D = 128 the dK/dV consumers' K and V in shared
+// memory instead), sharing every stage: a tile crosses from L2 into
 // shared memory once for 128 rows, where the one-warpgroup kernels move it once for 64, and no consumer thread
 // spends instructions or a barrier on copies. A stage is empty when the 256 consumer threads have arrived,
 // their products on it waited for; a consumer whose rows the tile is hidden from (causal) skips its products
@@ -2005,7 +2006,9 @@ __device__ __forceinline__ int bwd_read_job(int job, u32 job_full, u32 job_empty
 // into the stage beside its Q and dO, so a stage is full when the TMA bytes have landed and warp 1's 32 lanes
 // have arrived. A persistent kernel, as the forward (one block an SM, jobs from a ticket, bwd_take_job): the
 // jobs' tiles go through the ring in order (tile kv counted over the block's jobs), so the producer loads the
-// next job's first tiles while the consumers store this job's dK and dV and load its K and V.
+// next job's first tiles while the consumers store this job's dK and dV and load its K and V. At D = 128 the
+// consumers' registers hold dK and dV but not also K and V (that spilled 268 bytes): each consumer copies its 64
+// rows of K and V into its own tiles once a job, and Sᵀ and dPᵀ read them from there (key_rows_issue).
 template <typename T, int D>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dkdv_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
