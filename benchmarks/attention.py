@@ -17,12 +17,14 @@ KILN_ATTENTION_DKDV_TILES, read at import, sets the dK/dV kernel's tiles and is 
 rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
 half: forward 4 B H T^2 D / 2, backward 2.5x that. --shapes and --ops narrow the run (an A/B of one kernel
 need not pay for the others' timings). Prints a table and writes
-benchmarks/results/attention/attention-<date>.json (or --out).
+benchmarks/results/attention/attention-<date>.json (or --out) and beside it a .png: per op, kiln's and SDPA's
+TFLOP/s at each shape, the ratio above kiln's bar. `--plot FILE.json` draws a result file's plot again (no GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -124,6 +126,51 @@ def bench_shape(k, shape, dtype, iters, fwd_kernels, bwd_kernels, ops=OPS):
     return rows
 
 
+def plot(record: dict, path: Path) -> None:
+    """One panel per op (fwd, bwd, fwd+bwd): kiln's and SDPA's TFLOP/s at each shape (bf16 rows, each kernel
+    variant of kiln its own bar), sdpa ms / kiln ms written above kiln's bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = record["rows"]
+    ops = [op for op in OPS if any(r["op"] == op for r in rows)]
+    if not ops:
+        raise ValueError("the record holds no attention rows to plot")
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.4 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        mine = [r for r in rows if r["op"] == op]
+        shapes = list(dict.fromkeys("x".join(map(str, r["shape"])) + f" {r['dtype']}" for r in mine))
+        kernels = list(dict.fromkeys(f"{r['fwd_kernel'] or ''}/{r['bwd_kernel'] or ''}".strip("/") for r in mine))
+        width = 0.8 / (len(kernels) + 1)
+        sdpa = {}
+        for i, kern in enumerate(kernels):
+            xs, ys, ratios = [], [], []
+            for r in mine:
+                if f"{r['fwd_kernel'] or ''}/{r['bwd_kernel'] or ''}".strip("/") != kern:
+                    continue
+                x = shapes.index("x".join(map(str, r["shape"])) + f" {r['dtype']}")
+                xs.append(x + i * width)
+                ys.append(r["kiln_tflops"])
+                ratios.append(r["ratio"])
+                sdpa.setdefault(x, r["torch_tflops"])
+            bars = ax.bar(xs, ys, width, label=f"kiln {kern}")
+            for bar, ratio in zip(bars, ratios):
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{ratio:.2f}x", ha="center",
+                        va="bottom", fontsize=7)
+        xs = sorted(sdpa)
+        ax.bar([x + len(kernels) * width for x in xs], [sdpa[x] for x in xs], width, color="tab:gray",
+               label="PyTorch SDPA")
+        ax.set_xticks([x + len(kernels) * width / 2 for x in range(len(shapes))])
+        ax.set_xticklabels(shapes, fontsize=7, rotation=15)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"causal attention {op} (ratio: SDPA ms / kiln ms)", fontsize=10)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"{record.get('gpu', '')}, {record.get('date', '')} at {record.get('commit', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20)
@@ -134,7 +181,13 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="", help="comma-separated BxHxTxD (default: the paper's shapes)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ",".join(OPS))
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
+    p.add_argument("--plot", default=None, metavar="FILE.json", help="draw a result file's plot (FILE.png) and stop")
     args = p.parse_args(argv)
+    if args.plot:
+        src = Path(args.plot)
+        plot(json.loads(src.read_text()), src.with_suffix(".png"))
+        print(f"wrote {src.with_suffix('.png')}")
+        return 0
     try:
         shapes, ops = parse_shapes(args.shapes), parse_ops(args.ops)
     except ValueError as e:
@@ -149,7 +202,8 @@ def main(argv=None) -> int:
         for shape in shapes:
             rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","), args.bwd.split(","),
                                 ops)
-    write_rows("attention", torch, args, rows)
+    path = write_rows("attention", torch, args, rows)
+    plot(json.loads(path.read_text()), path.with_suffix(".png"))
     return 0
 
 

@@ -35,13 +35,13 @@ def kiln_and_torch():
     return kiln.backend.get_backend("cuda"), torch
 
 
-def write_rows(benchmark: str, torch, args, rows: list) -> None:
+def write_rows(benchmark: str, torch, args, rows: list) -> Path:
     """The result file of a kernel benchmark: its rows with where they come from, at --out or at
-    benchmarks/results/<benchmark>/<benchmark>-<date>.json."""
+    benchmarks/results/<benchmark>/<benchmark>-<date>.json; returns its path."""
     record = {"benchmark": benchmark, **run_fields("cuda"), "torch": torch.__version__, "iters": args.iters,
               "rows": rows}
-    write_json(record, Path(args.out) if args.out else
-               ROOT / "benchmarks" / "results" / benchmark / f"{benchmark}-{datetime.date.today()}.json")
+    return write_json(record, Path(args.out) if args.out else
+                      ROOT / "benchmarks" / "results" / benchmark / f"{benchmark}-{datetime.date.today()}.json")
 
 
 def _event_ms(run, iters: int, stream_kind: str) -> list:

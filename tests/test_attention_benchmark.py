@@ -53,3 +53,21 @@ def test_attention_benchmark_narrows_to_the_shapes_and_ops_asked_and_refuses_oth
     for bad in ("", "fwd,back"):
         with pytest.raises(ValueError, match="--ops takes some of"):
             bench.parse_ops(bad)
+
+
+def test_attention_benchmark_plots_a_result_file(tmp_path):
+    """--plot draws a committed result file again (no GPU): a panel per op present, a PNG beside the JSON; a
+    record without rows is refused rather than drawn empty."""
+    import json
+    bench = load_benchmark("attention")
+    row = {"dtype": "bfloat16", "fwd_kernel": "tma-pingpong", "bwd_kernel": None, "kiln_tflops": 240.0,
+           "torch_tflops": 310.0, "ratio": 0.77}
+    rows = [{**row, "op": "fwd", "shape": [16, 12, 1024, 64]}, {**row, "op": "fwd", "shape": [2, 12, 16384, 64]},
+            {**row, "op": "fwd+bwd", "shape": [16, 12, 1024, 64], "bwd_kernel": "split-tma"}]
+    src = tmp_path / "attention.json"
+    src.write_text(json.dumps({"gpu": "test", "date": "2026-12-07", "commit": "abc", "rows": rows}))
+    assert bench.main(["--plot", str(src)]) == 0
+    png = src.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    with pytest.raises(ValueError, match="no attention rows"):
+        bench.plot({"rows": []}, tmp_path / "empty.png")
