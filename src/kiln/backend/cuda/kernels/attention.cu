@@ -1945,11 +1945,10 @@ template <int D> struct TmaBwdShape {
     static constexpr int STAGES = KILN_ATTN_BWD_TMA_STAGES;
     static constexpr int TILE_BYTES = SwTile<ROWS, D>::BYTES;
     static constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // Q and dO, or K and V
-    // The stages, then (dK/dV at D >= 128) the two consumers' K and V tiles, then (dK/dV) the lse and delta of
-    // each stage ([STAGES][2][ROWS] floats), then the mbarriers
-    // (full[STAGES], empty[STAGES], job_full, job_empty), then the job the producer took (an int); the
-    // launcher's bwd_tma_shared_bytes adds 1024 for the alignment.
-    // dK/dV at D >= 128: each consumer's K and V rows in shared memory (SwTile<kTcRows, D>), not registers
+    // The stages, then (dK/dV at D >= 128, KV_SMEM) the two consumers' K and V tiles (SwTile<kTcRows, D> each),
+    // then (dK/dV) the lse and delta of each stage ([STAGES][2][ROWS] floats), then the mbarriers (full[STAGES],
+    // empty[STAGES], job_full, job_empty), then the job the producer took (an int); the launcher's
+    // bwd_tma_shared_bytes adds 1024 for the alignment.
     static constexpr bool KV_SMEM = D >= 128;
     static constexpr int KV_TILE_BYTES = SwTile<kTcRows, D>::BYTES;
     static constexpr int KV_OFFSET = STAGES * STAGE_BYTES;
