@@ -168,6 +168,33 @@ def test_linear_gelu_fwd_matches_the_cpu_backend(gpu, dtype):
     assert rel(gpu.to_numpy(h), rh) <= tol
 
 
+@pytest.mark.parametrize("dtype, need_db, bgrad", [("float32", True, "1"), ("bfloat16", True, "1"),
+                                                   ("bfloat16", True, "0"), ("bfloat16", False, "1")],
+                         ids=["fp32", "bf16-dgelu_bgrad", "bf16-dgelu-column_sums", "bf16-dgelu"])
+def test_linear_gelu_bwd_matches_the_cpu_backend(gpu, monkeypatch, dtype, need_db, bgrad):
+    """dpre = (grad @ weight) * gelu'(pre) and fc's bias gradient: bf16 in one GEMM (the DGELU_BGRAD epilogue;
+    DGELU with kiln's column sums under KILN_DGELU_BGRAD=0; DGELU alone without dbias), fp32 as GEMM + kiln's
+    GELU backward; dbias in float32 (a bf16 copy of fp32 master weights). Two runs give the same bits."""
+    import ml_dtypes
+    monkeypatch.setenv("KILN_DGELU_BGRAD", bgrad)
+    dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng()
+    rows, n_out, n_in = 1000, 64, 256  # rows not a multiple of a tile
+    g, w, pre = (rng.standard_normal(s).astype(dt) for s in ((rows, n_out), (n_out, n_in), (rows, n_in)))
+    runs = [gpu.linear_gelu_bwd(gpu.asarray(g), gpu.asarray(pre), gpu.asarray(w), need_db, np.float32)
+            for _ in range(2)]
+    ref_dpre, ref_db = cpu.linear_gelu_bwd(*(a.astype(np.float64) for a in (g, pre, w)), True)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    dpre, db = runs[0]
+    assert dpre.dtype == dt and rel(gpu.to_numpy(dpre), ref_dpre) <= tol
+    if need_db:
+        assert db.dtype == np.float32 and db.shape == (n_in,) and rel(gpu.to_numpy(db), ref_db) <= tol
+    else:
+        assert db is None
+    for a, b in zip(runs[0], runs[1]):
+        assert (a is None and b is None) or gpu.to_numpy(a).tobytes() == gpu.to_numpy(b).tobytes()
+
+
 def test_plans_are_cached(gpu):
     from kiln.backend.cuda import cublaslt
     a = gpu.asarray(np.ones((32, 16), np.float32))

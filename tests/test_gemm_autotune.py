@@ -364,9 +364,12 @@ def test_timing_writes_into_scratch_when_accumulating_or_when_an_output_overlaps
     assert cublaslt.needs_scratch(True, ops)
     inplace = cublaslt.Operands(0, 10_000, 0, cublaslt.span(0, 64, 32, 32, 4), a, b)
     assert cublaslt.needs_scratch(False, inplace)
-    aux_on_bias = cublaslt.Operands(0, 10_000, 20_000, c, a, b, bias_span=(40_000, 40_128),
-                                    aux_ptr=39_000, aux_span=(39_000, 40_001))
+    aux_on_bias = cublaslt.Operands(0, 10_000, 20_000, c, a, b, reads=[(40_000, 40_128)],
+                                    writes=[(11, 39_000, (39_000, 40_001))])
     assert cublaslt.needs_scratch(False, aux_on_bias)
+    beside = cublaslt.Operands(0, 10_000, 20_000, c, a, b, reads=[(40_000, 40_128)],
+                               writes=[(8, 40_128, (40_128, 40_256))])  # a bias gradient just past the aux read
+    assert not cublaslt.needs_scratch(False, beside)
 
 
 class FakeDevice:
@@ -419,8 +422,9 @@ def test_candidates_are_timed_in_rounds_by_the_median_of_their_launches(monkeypa
                  2: [None], 3: warm + [0.7, 0.2] + [0.7] * tune.TIMED}
     plan = fake_plan(accumulate, durations, launches, pointers)
     c_span = (1 << 24, (1 << 24) + 4096)
+    aux_attr = cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER
     ops = cublaslt.Operands(1 << 20, 1 << 22, 1 << 24, c_span, (1 << 20, (1 << 20) + 64), (1 << 22, (1 << 22) + 64),
-                            aux_ptr=1 << 26, aux_span=(1 << 26, (1 << 26) + 2048))
+                            writes=[(aux_attr, 1 << 26, (1 << 26, (1 << 26) + 2048))])
     times = cublaslt._time_candidates(plan, ops)
     assert times == [pytest.approx(1.0), pytest.approx(0.5), float("inf"), pytest.approx(0.7)]
     assert dev.syncs == 1
@@ -430,7 +434,6 @@ def test_candidates_are_timed_in_rounds_by_the_median_of_their_launches(monkeypa
         assert d.nbytes == 4096 and aux.nbytes == 2048
         assert dev.copies == [(d.data.ptr, 1 << 24, 4096)]
         assert {c for _, c in launches} == {d.data.ptr}
-        aux_attr = cublaslt.CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER
         assert pointers == [(aux_attr, aux.data.ptr), (aux_attr, 1 << 26)]
         assert cublaslt.autotune_stats()["scratch_bytes_peak"] == 4096 + 2048
     else:  # beta = 0: into D itself, rewritten by the chosen algorithm afterwards
@@ -465,7 +468,7 @@ def fresh_gpu(monkeypatch, tmp_path):
     return kiln.backend.get_backend("cuda")
 
 
-EPILOGUE_CASES = ["default", "bias", "gelu_aux_bias", "accumulate"]
+EPILOGUE_CASES = ["default", "bias", "gelu_aux_bias", "dgelu_bgrad", "accumulate"]
 
 
 @gpu
@@ -474,8 +477,8 @@ EPILOGUE_CASES = ["default", "bias", "gelu_aux_bias", "accumulate"]
 def test_every_candidate_a_tuning_may_keep_matches_numpy(fresh_gpu, monkeypatch, mode, epilogue):
     """Each candidate kept in turn (the device timing runs, its pick overridden): the GEMM against float64;
     accumulating, C ends as C + A B once (the candidates added into a scratch copy, not into C)."""
-    if epilogue == "gelu_aux_bias" and mode != "bf16":
-        pytest.skip("kiln runs GELU_AUX_BIAS for bf16/fp16 only")
+    if epilogue in ("gelu_aux_bias", "dgelu_bgrad") and mode != "bf16":
+        pytest.skip("kiln runs the GELU epilogues for bf16/fp16 only")
     backend = fresh_gpu
     backend.set_matmul_precision(mode)
     dtype, tol = {"bf16": (BF16, 1e-2), "fp32": (np.float32, 1e-5), "tf32": (np.float32, 1e-3)}[mode]
@@ -508,6 +511,16 @@ def test_every_candidate_a_tuning_may_keep_matches_numpy(fresh_gpu, monkeypatch,
             pre = ref + bias.astype(np.float64)
             assert _rel(backend.to_numpy(aux), pre) <= tol
             got, want = backend.to_numpy(out), cpu.gelu_fwd(pre)
+        elif epilogue == "dgelu_bgrad":  # the bias gradient is written: beside the inputs, no scratch needed
+            from kiln.backend import cpu
+            pre = rng.standard_normal((m, n)).astype(dtype)
+            out = backend.asarray(np.full((m, n), np.nan, dtype))
+            dbias = backend.asarray(np.full((n,), np.nan, np.float32))
+            cublaslt.gemm(da, db, out, m=m, n=n, k=k, bias=dbias, epilogue="dgelu_bgrad", aux=backend.asarray(pre),
+                          aux_ld=n)
+            want = cpu.gelu_bwd(ref, pre.astype(np.float64))
+            assert _rel(backend.to_numpy(dbias), want.sum(axis=0)) <= tol
+            got = backend.to_numpy(out)
         else:
             out = backend.asarray(np.full((m, n), np.nan, dtype))
             cublaslt.gemm(da, db, out, m=m, n=n, k=k)

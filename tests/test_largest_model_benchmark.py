@@ -55,7 +55,8 @@ def test_a_plain_block_keeps_sixteen_activations_and_a_recomputed_one_two():
     got = load().saved_per_block()
     assert got["recomputed"] == 2.0
     assert got["plain"] == pytest.approx(16 + 1 + 4 / 64 + 4 / 64)  # + the CPU's copy, the LSE, 2 x (mean, rstd)
-    assert got["plain_by_op"]["LinearGELU"] == 5.0 and got["plain_by_op"]["Linear"] == 6.0
+    # the fused MLP keeps x (1), the pre-activation (4) and the GELU (4); attention's c_attn and c_proj their inputs
+    assert got["plain_by_op"]["LinearGELULinear"] == 9.0 and got["plain_by_op"]["Linear"] == 2.0
     assert got["norm_gelu_recomputed"] == got["plain"] - 6  # the GELU output (4) and two LayerNorm outputs not kept
     by_op = got["norm_gelu_recomputed_by_op"]
     assert by_op["GELULinear"] == 4.0 and by_op["Linear"] == 1.0 and "NormLinear" not in by_op  # keeps s: kept anyway

@@ -91,3 +91,45 @@ def test_gelu_linear_is_linear_of_gelu_keeps_only_its_input_and_its_backward_che
     gradcheck(F.gelu_linear, randn(3, 5), randn(4, 5))
     with pytest.raises(ShapeError, match="gelu_linear"):
         F.gelu_linear(kiln.randn(2, 5), kiln.randn(4, 5), kiln.randn(3))
+
+
+def test_linear_gelu_linear_is_the_mlp_and_its_backward_checks():
+    x, w1, b1, w2, b2 = randn(2, 3, 5), randn(8, 5), randn(8), randn(4, 8), randn(4)
+    fused = F.linear_gelu_linear(*(kiln.tensor(a) for a in (x, w1, b1, w2, b2)))
+    ref = F.linear(F.linear_gelu(*(kiln.tensor(a) for a in (x, w1, b1))), kiln.tensor(w2), kiln.tensor(b2))
+    assert fused.shape == (2, 3, 4)
+    assert np.array_equal(fused.numpy(), ref.numpy())
+    gradcheck(F.linear_gelu_linear, randn(3, 5), randn(8, 5), randn(8), randn(4, 8), randn(4))
+    gradcheck(F.linear_gelu_linear, randn(3, 5), randn(8, 5), randn(8), randn(4, 8))
+    with pytest.raises(ShapeError, match="linear_gelu_linear"):
+        F.linear_gelu_linear(kiln.randn(2, 5), kiln.randn(8, 5), kiln.randn(8), kiln.randn(4, 7))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_mlp_gives_the_gradients_of_its_layers(dtype):
+    """F.linear_gelu_linear against c_fc.forward_gelu then c_proj, the same weights: the same output bits; in
+    fp32 the same gradients to rounding; in bf16 the GELU's input gradient is the GEMM's fp32 product through
+    gelu' rounded once (as cuBLASLt's DGELU epilogue makes it), not the bf16 product's, so within bf16's step."""
+    from kiln.nn import GPT, preset
+    model = GPT(preset("tiny", n_layer=1, n_embd=32, block_size=8), generator=kiln.Generator(1))
+    mlp = model.h[0].mlp
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8, 32)).astype(np.float32)
+
+    def run(fused):
+        mlp.fused = fused
+        model.zero_grad()
+        kx = kiln.tensor(x, requires_grad=True)
+        xin = kx.to(dtype)
+        y = mlp(xin)
+        (y.to("float32") * kiln.tensor(rng_out)).sum().backward()
+        return y.numpy(), kx.grad.numpy(), {n: p.grad.numpy() for n, p in mlp.named_parameters()}
+    rng_out = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
+    (y_f, dx_f, g_f), (y_u, dx_u, g_u) = run(True), run(False)
+    mlp.fused = True
+    assert type(mlp(kiln.tensor(x, requires_grad=True).to(dtype)).grad_fn).__name__ == "LinearGELULinear"
+    assert np.array_equal(np.asarray(y_f, np.float32), np.asarray(y_u, np.float32))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for a, b in [(dx_f, dx_u)] + [(g_f[n], g_u[n]) for n in g_f]:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b)

@@ -63,7 +63,8 @@ def test_kernel_flops_of_a_step_add_up_to_the_model_count():
         _, loss = model(x, x)
         loss.backward()
     k = prof.summary()["kernels"]
-    gemm = sum(k[n]["flops"] for n in ("linear_fwd", "linear_bwd", "linear_gelu_fwd", "lm_head_xent_fwd"))
+    gemm = sum(k[n]["flops"] for n in ("linear_fwd", "linear_bwd", "linear_gelu_fwd", "linear_gelu_bwd",
+                                             "lm_head_xent_fwd"))
     d = cfg.n_embd
     assert gemm == 6 * (cfg.n_layer * 12 * d * d + d * cfg.vocab_size) * b * t
     attention = k["attention_fwd"]["flops"] + k["attention_bwd"]["flops"]

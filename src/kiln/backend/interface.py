@@ -11,7 +11,7 @@ from __future__ import annotations
 KERNELS = (
     "add", "cast",                                                             # elementwise
     "scatter_add",                                                             # shape (index backward)
-    "matmul", "linear_fwd", "linear_bwd", "linear_gelu_fwd",                   # matmul
+    "matmul", "linear_fwd", "linear_bwd", "linear_gelu_fwd", "linear_gelu_bwd",  # matmul
     "embedding_fwd", "embedding_bwd",                                          # embedding
     "layer_norm_fwd", "layer_norm_bwd", "add_layer_norm_fwd", "add_layer_norm_bwd",  # layer_norm
     "gelu_fwd", "gelu_bwd", "gelu_bwd_bias",                                   # gelu

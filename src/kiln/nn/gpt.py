@@ -131,13 +131,21 @@ class MLP(Module):
         self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, generator=generator)
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
         self.dropout = Dropout(cfg.dropout)
+        # True: c_fc, the GELU and c_proj are one op (F.linear_gelu_linear: the GELU's backward rides in the
+        # epilogue of the GEMM that makes its gradient) where both layers are kiln's Linear with biases;
+        # False: the ops of c_fc.forward_gelu and c_proj (what the precision logger compares, op by op)
+        self.fused = True
 
     def forward(self, x, norm=None):
         """norm: (s, ln) with x = ln(s): keep s and the pre-activation only, and make x and the GELU
         again in backward (Block.recompute_norm_gelu); None: keep x, the pre-activation and the GELU."""
         if norm is not None:
             return self.dropout(self.c_proj.forward_of_gelu(self.c_fc.forward_of_norm(x, *norm)))
-        return self.dropout(self.c_proj(self.c_fc.forward_gelu(x)))
+        fc, proj = self.c_fc, self.c_proj
+        if self.fused and type(fc) is Linear and type(proj) is Linear and fc.bias is not None:
+            return self.dropout(F.linear_gelu_linear(x, as_dtype_of(fc.weight, x), as_dtype_of(fc.bias, x),
+                                                     as_dtype_of(proj.weight, x), as_dtype_of(proj.bias, x)))
+        return self.dropout(proj(fc.forward_gelu(x)))
 
 
 class Block(Module):

@@ -141,12 +141,58 @@ class GELULinear(Function):
     def backward(ctx, g):
         pre, w = ctx.saved
         need = ctx.needs_input_grad
-        pre2 = pre.reshape(-1, pre.shape[-1])
+        pre2, g2 = pre.reshape(-1, pre.shape[-1]), g.reshape(-1, g.shape[-1])
+        dpre = None
+        if need[0]:  # the GELU's backward in the GEMM that makes its output's gradient (linear_gelu_bwd)
+            dpre = ctx.backend.linear_gelu_bwd(g2, pre2, w, False)[0].reshape(pre.shape)
         h = ctx.backend.gelu_fwd(pre2) if need[1] else None
-        dh, dw, db = ctx.backend.linear_bwd(g.reshape(-1, g.shape[-1]), h, w, need[0], need[1],
-                                            ctx.has_bias and need[2], ctx.param_grad_dtype)
-        dpre = ctx.backend.gelu_bwd(dh, pre2).reshape(pre.shape) if need[0] else None
+        _, dw, db = ctx.backend.linear_bwd(g2, h, None, False, need[1], ctx.has_bias and need[2],
+                                           ctx.param_grad_dtype)
         return (dpre, dw, db) if ctx.has_bias else (dpre, dw)
+
+
+class LinearGELULinear(Function):
+    """gelu(x @ fc_weight^T + fc_bias) @ proj_weight^T + proj_bias, a GPT MLP, in one op: its backward makes
+    the GELU's input gradient and fc's bias gradient in the GEMM that makes the GELU output's gradient
+    (linear_gelu_bwd: cuBLASLt's DGELU_BGRAD epilogue in bf16), so no [N, hidden] gradient is written and read
+    again between the two layers. Keeps what LinearGELU then Linear keep: x, the pre-activation and the GELU."""
+
+    fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
+
+    @staticmethod
+    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias=None):
+        ctx.has_bias = proj_bias is not None
+        ctx.backend = x.backend
+        ctx.x_shape = x.shape
+        ctx.fc_grad_dtype, ctx.proj_grad_dtype = grad_dtype(fc_weight), grad_dtype(proj_weight)
+        nx, nfc = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if nfc else None, fc_weight if nx else None, proj_weight)
+        x2 = x.data.reshape(-1, x.shape[-1])
+        h, pre = x.backend.linear_gelu_fwd(x2, fc_weight.data, fc_bias.data)
+        y = x.backend.linear_fwd(h, proj_weight.data, None if proj_bias is None else proj_bias.data)
+        ctx.pre = pre  # intermediates, not inputs: nothing can modify them in place
+        ctx.h = h if ctx.needs_input_grad[3] else None
+        return y.reshape(x.shape[:-1] + (proj_weight.shape[0],))
+
+    def release(self) -> None:
+        super().release()
+        self.pre = self.h = None
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w_fc, w_proj = ctx.saved
+        need = ctx.needs_input_grad + (False,)
+        g2 = g.reshape(-1, g.shape[-1])
+        _, dw_proj, db_proj = ctx.backend.linear_bwd(g2, ctx.h, None, False, need[3], ctx.has_bias and need[4],
+                                                     ctx.proj_grad_dtype)
+        dx = dw_fc = db_fc = None
+        if need[0] or need[1] or need[2]:
+            dpre, db_fc = ctx.backend.linear_gelu_bwd(g2, ctx.pre, w_proj, need[2], ctx.fc_grad_dtype)
+            x2 = None if x is None else x.reshape(-1, x.shape[-1])
+            dx, dw_fc, _ = ctx.backend.linear_bwd(dpre, x2, w_fc, need[0], need[1], False, ctx.fc_grad_dtype)
+            if dx is not None:
+                dx = dx.reshape(ctx.x_shape)
+        return (dx, dw_fc, db_fc, dw_proj, db_proj) if ctx.has_bias else (dx, dw_fc, db_fc, dw_proj)
 
 
 class NormLinear(Function):
@@ -223,6 +269,24 @@ def linear_gelu(x, weight, bias):
         raise ShapeError(f"linear_gelu: input {x.shape}, weight {weight.shape} and bias {bias.shape} do not fit "
                          "(expected [..., in], [out, in] and [out])")
     return LinearGELU.apply(x, weight, bias)
+
+
+def linear_gelu_linear(x, fc_weight, fc_bias, proj_weight, proj_bias=None):
+    """linear(gelu(linear(x, fc_weight, fc_bias)), proj_weight, proj_bias) in one op (a GPT MLP): on the GPU
+    in bf16 the GELU rides in the first GEMM's epilogue and its backward in the epilogue of the GEMM that makes
+    its gradient (LinearGELULinear)."""
+    for a in (fc_weight, fc_bias, proj_weight) + (() if proj_bias is None else (proj_bias,)):
+        _check_float_pair("linear_gelu_linear", x, a)
+    hidden = fc_weight.shape[0] if fc_weight.ndim == 2 else None
+    if fc_weight.ndim != 2 or proj_weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != fc_weight.shape[1] or \
+            fc_bias.shape != (hidden,) or proj_weight.shape[1] != hidden or \
+            (proj_bias is not None and proj_bias.shape != (proj_weight.shape[0],)):
+        raise ShapeError(f"linear_gelu_linear: input {x.shape}, fc weight {fc_weight.shape} and bias {fc_bias.shape}, "
+                         f"proj weight {proj_weight.shape} and bias {None if proj_bias is None else proj_bias.shape} "
+                         "do not fit (expected [..., in], [hidden, in], [hidden], [out, hidden], [out])")
+    if proj_bias is None:
+        return LinearGELULinear.apply(x, fc_weight, fc_bias, proj_weight)
+    return LinearGELULinear.apply(x, fc_weight, fc_bias, proj_weight, proj_bias)
 
 
 def linear(x, weight, bias=None):

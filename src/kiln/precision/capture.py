@@ -95,6 +95,7 @@ class Capture:
         self._stack = [""]
         self._wrapped = []
         self._fused_lm_head = None
+        self._fused: list = []
 
     def __enter__(self):
         import fnmatch
@@ -134,6 +135,10 @@ class Capture:
         Function.apply = classmethod(recording_apply)
         if getattr(self.model, "fused_lm_head", False):
             self._fused_lm_head, self.model.fused_lm_head = True, False
+        # a fused MLP (F.linear_gelu_linear) runs as its layers' ops while open: the GELU's output is compared
+        self._fused = [m for _, m in self.model.named_modules() if getattr(m, "fused", None) is True]
+        for module in self._fused:
+            module.fused = False
         for path, module in self.model.named_modules():
             for attr in [a for a in dir(type(module)) if a.endswith("forward")]:
                 bound = getattr(module, attr)
@@ -156,6 +161,9 @@ class Capture:
         Function.apply = self._original
         if self._fused_lm_head:
             self.model.fused_lm_head, self._fused_lm_head = True, None
+        for module in self._fused:
+            module.fused = True
+        self._fused = []
         for module, attr in self._wrapped:
             del module.__dict__[attr]
         self._wrapped.clear()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 FAMILIES = {  # backend kernel -> the kernel family (DESIGN.md) its time is reported under
     "matmul": "matmul", "linear_fwd": "matmul", "linear_bwd": "matmul", "linear_gelu_fwd": "matmul",
+    "linear_gelu_bwd": "matmul",
     "embedding_fwd": "embedding", "embedding_bwd": "embedding", "scatter_add": "embedding",
     "layer_norm_fwd": "layer_norm", "layer_norm_bwd": "layer_norm", "add_layer_norm_fwd": "layer_norm",
     "add_layer_norm_bwd": "layer_norm", "gelu_fwd": "gelu", "gelu_bwd": "gelu", "gelu_bwd_bias": "gelu",
@@ -46,6 +47,9 @@ def kernel_flops(name: str, args, out) -> int:
         g, x, w, need_dx, need_dw = args[:5]
         k = x.shape[1] if x is not None else w.shape[1]
         return 2 * g.shape[0] * g.shape[1] * k * (bool(need_dx) + bool(need_dw))
+    if name == "linear_gelu_bwd":  # grad [N, out] @ weight [out, in]
+        g, w = args[0], args[2]
+        return 2 * g.shape[0] * g.shape[1] * w.shape[1]
     if name == "lm_head_xent_fwd":  # the logits GEMM, then dx's and dweight's (made in the forward)
         x, w = args[0], args[1]
         need_dx, need_dw = (tuple(args[5:7]) + (True, True))[:2]

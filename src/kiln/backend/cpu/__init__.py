@@ -24,7 +24,7 @@ from kiln.backend.cpu.layer_norm import (
     layer_norm_fwd,
 )
 from kiln.backend.cpu.lm_head import lm_head_xent_bwd, lm_head_xent_fwd
-from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
+from kiln.backend.cpu.matmul import linear_bwd, linear_fwd, linear_gelu_bwd, linear_gelu_fwd, matmul
 from kiln.backend.cpu.softmax import (
     log_softmax_bwd,
     log_softmax_fwd,

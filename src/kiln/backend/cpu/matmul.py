@@ -35,6 +35,21 @@ def linear_gelu_fwd(x, weight, bias):
     return gelu_fwd(pre), pre
 
 
+def linear_gelu_bwd(grad, pre, weight, need_db, param_grad_dtype=None):
+    """(dpre, dbias) for y = gelu(pre) @ weight^T (+ b): dpre = (grad @ weight) * gelu'(pre), the product kept
+    in fp32 and dpre rounded once to pre's dtype, as a GEMM's DGELU epilogue does; dbias = the column sums
+    of dpre as stored (the bias gradient of the layer that made pre, as linear_bwd sums its grad), in
+    param_grad_dtype (default pre's), None unless need_db."""
+    from kiln.backend.cpu.gelu import gelu_bwd
+    dtype = pre.dtype
+    dpre = gelu_bwd(_gemm(grad, weight, np.float32 if dtype != np.float64 else dtype), upcast(pre))
+    dpre = dpre.astype(dtype, copy=False)
+    db = None
+    if need_db:
+        db = upcast(dpre).sum(axis=0).astype(dtype if param_grad_dtype is None else param_grad_dtype, copy=False)
+    return dpre, db
+
+
 def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None):
     """(dx, dweight, dbias) for y = x @ weight^T + b; grad and x are 2-D. x is None when dweight is
     not needed, weight when dx is not (autograd saves only what the backward reads). dweight and

@@ -40,7 +40,7 @@ from kiln.backend.cuda.layer_norm import (
     layer_norm_fwd,
 )
 from kiln.backend.cuda.lm_head import lm_head_xent_bwd, lm_head_xent_fwd
-from kiln.backend.cuda.matmul import linear_bwd, linear_fwd, linear_gelu_fwd, matmul
+from kiln.backend.cuda.matmul import linear_bwd, linear_fwd, linear_gelu_bwd, linear_gelu_fwd, matmul
 from kiln.backend.cuda.random import generator_state, new_generator, rng_normal, rng_uniform, set_generator_state
 from kiln.backend.cuda.softmax import (
     log_softmax_bwd,

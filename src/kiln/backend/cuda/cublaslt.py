@@ -65,11 +65,18 @@ CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5    # uint32_t, default 256
 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES = 6
 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES = 7
 CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES = 8
-# cublasLt.h: cublasLtEpilogue_t
+# cublasLt.h: cublasLtEpilogue_t, with what each does with the bias vector and the aux matrix
+# (None: not used; "in": read; "out": written). Aux is an [m, n] matrix beside D (row stride aux_ld).
 EPILOGUES = {
     "default": 1,          # CUBLASLT_EPILOGUE_DEFAULT
     "bias": 4,             # CUBLASLT_EPILOGUE_BIAS: D += bias, bias length = rows of D (= N row-major)
     "gelu_aux_bias": 164,  # CUBLASLT_EPILOGUE_GELU_AUX_BIAS = GELU_AUX (32|128) | BIAS (4)
+    "dgelu": 192,          # CUBLASLT_EPILOGUE_DGELU = 64|128: D = (A B) * gelu'(aux)
+    "dgelu_bgrad": 208,    # CUBLASLT_EPILOGUE_DGELU_BGRAD = DGELU | 16: and bias = D's column sums (row-major)
+}
+EPILOGUE_ROLES = {  # epilogue: (bias, aux)
+    "default": (None, None), "bias": ("in", None), "gelu_aux_bias": ("in", "out"),
+    "dgelu": (None, "in"), "dgelu_bgrad": ("out", "in"),
 }
 
 WORKSPACE_BYTES = 32 << 20
@@ -247,7 +254,7 @@ class _Plan:
     (its first pick first; `count` asked for) and `algo`, the one it runs: None until its first use."""
 
     def __init__(self, key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides, epilogue,
-                 aligns, aux_ld, vec_aligns, out_dtype=None, accumulate=False, count=1):
+                 aligns, aux_ld, vec_aligns, out_dtype=None, accumulate=False, count=1, bias_dtype=None):
         lib = _load_library()
         ctx = _context()
         self.lib = lib
@@ -266,10 +273,11 @@ class _Plan:
         _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(op_b))
         _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
              ctypes.c_uint32(EPILOGUES[epilogue]))
-        if epilogue != "default":
+        bias_role, aux_role = EPILOGUE_ROLES[epilogue]
+        if bias_role:  # the operands' type, or fp32 (a bias gradient kept in fp32 under bf16 operands)
             _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                 ctypes.c_int32(dt))
-        if epilogue == "gelu_aux_bias":
+                 ctypes.c_int32(DTYPES[np.dtype(bias_dtype if bias_dtype is not None else dtype).name]))
+        if aux_role:
             _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                  ctypes.c_int64(aux_ld))
         self.layouts = []
@@ -302,11 +310,11 @@ class _Plan:
             # The heuristic reads the bias/aux pointers' alignment (not their data), and those
             # pointers are set per call; so the plan is keyed by that alignment and the heuristic
             # sees a placeholder address with exactly that alignment.
-            if epilogue != "default":
-                base = ctx.workspace.data.ptr  # 256-aligned
+            base = ctx.workspace.data.ptr  # 256-aligned
+            if bias_role:
                 self.set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, base + vec_aligns[0] % 256)
-                if epilogue == "gelu_aux_bias":
-                    self.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, base + vec_aligns[1] % 256)
+            if aux_role:
+                self.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, base + vec_aligns[1] % 256)
             _check(lib.cublasLtMatmulAlgoGetHeuristic(ctx.handle, self.desc, *self.layouts, pref, count,
                                                       results, ctypes.byref(found)),
                    "cublasLtMatmulAlgoGetHeuristic", what)
@@ -354,16 +362,17 @@ def _algo(values):
 
 
 class Operands:
-    """What timing a plan's candidates needs of one call: the pointers, and the byte spans the GEMM writes
-    (D, and aux under GELU_AUX_BIAS) and reads (A, B, the bias, and C = D when accumulating)."""
+    """What timing a plan's candidates needs of one call: the pointers, and the byte spans the GEMM reads (A,
+    B, the epilogue's inputs, and C = D when accumulating) and writes (D, and the epilogue's outputs: aux under
+    GELU_AUX_BIAS, the bias gradient under DGELU_BGRAD), each epilogue output as (attribute, pointer, span)."""
 
-    def __init__(self, a_ptr, b_ptr, c_ptr, c_span, a_span, b_span, bias_span=None, aux_ptr=None, aux_span=None):
-        self.a_ptr, self.b_ptr, self.c_ptr, self.aux_ptr = a_ptr, b_ptr, c_ptr, aux_ptr
-        self.c_span, self.aux_span = c_span, aux_span
-        self.read = [s for s in (a_span, b_span, bias_span) if s is not None]
+    def __init__(self, a_ptr, b_ptr, c_ptr, c_span, a_span, b_span, reads=(), writes=()):
+        self.a_ptr, self.b_ptr, self.c_ptr = a_ptr, b_ptr, c_ptr
+        self.c_span, self.writes = c_span, list(writes)
+        self.read = [a_span, b_span, *reads]
 
     def written(self) -> list:
-        return [s for s in (self.c_span, self.aux_span) if s is not None]
+        return [self.c_span] + [w[2] for w in self.writes]
 
 
 def span(ptr: int, rows: int, cols: int, ld: int, itemsize: int, batch: int = 1, stride: int = 0) -> tuple:
@@ -466,7 +475,7 @@ def _time_candidates(plan: _Plan, ops: Operands) -> list | None:
     minimum: on a shared GPU (test shards, another rank) other work falls into some intervals."""
     cp = rt.cupy()
     s = rt.stream()
-    c_ptr, aux_ptr, scratch = ops.c_ptr, ops.aux_ptr, []
+    c_ptr, scratch = ops.c_ptr, []
     if needs_scratch(plan.accumulate, ops):
         c0, c1 = ops.c_span
         try:  # kiln's allocator: 256-aligned or better, as D needs
@@ -477,9 +486,8 @@ def _time_candidates(plan: _Plan, ops: Operands) -> list | None:
             cp.cuda.runtime.memcpyAsync(scratch[0].data.ptr, c0, c1 - c0, cp.cuda.runtime.memcpyDeviceToDevice,
                                         s.ptr)
         c_ptr = scratch[0].data.ptr
-        if ops.aux_span is not None:
-            aux_ptr = scratch[1].data.ptr
-            plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux_ptr)
+        for (attr, _, _), copy in zip(ops.writes, scratch[1:]):
+            plan.set_pointer(attr, copy.data.ptr)
     _tune_stats["scratch_bytes_peak"] = max(_tune_stats["scratch_bytes_peak"], sum(x.nbytes for x in scratch))
     n = len(plan.candidates)
     ok = [True] * n
@@ -501,8 +509,9 @@ def _time_candidates(plan: _Plan, ops: Operands) -> list | None:
                     last = after
         s.synchronize()
     finally:
-        if ops.aux_ptr is not None and aux_ptr != ops.aux_ptr:
-            plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ops.aux_ptr)
+        if scratch:
+            for attr, ptr, _ in ops.writes:
+                plan.set_pointer(attr, ptr)
         del scratch  # back to kiln's allocator: the device is done with it (synchronised above)
     return [float(np.median([cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in intervals[j]])) if ok[j]
             else float("inf") for j in range(n)]
@@ -515,6 +524,10 @@ def prepare(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=N
     and its bias and aux pointers set; operands() gives the Operands that timing the plan needs."""
     if epilogue not in EPILOGUES:
         raise ConfigError(f"unknown GEMM epilogue {epilogue!r}; allowed: {', '.join(EPILOGUES)}")
+    bias_role, aux_role = EPILOGUE_ROLES[epilogue]
+    if bias_role and bias is None or aux_role and aux is None:
+        raise ConfigError(f"GEMM epilogue {epilogue!r} needs {'a bias' if bias_role and bias is None else 'an aux'} "
+                          "buffer")
     dtype = np.dtype(a.dtype)
     if np.dtype(b.dtype) != dtype or (np.dtype(out.dtype) != dtype and not (
             np.dtype(out.dtype).name == "float32" and dtype.name in ("bfloat16", "float16"))):
@@ -531,31 +544,33 @@ def prepare(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=N
     strides = (int(stride_a), int(stride_b), int(stride_c))
     key = (rt.device_id(), np.dtype(dtype).name, compute_type(dtype), m, n, k, bool(trans_a), bool(trans_b),
            lda, ldb, ldc, batch, strides if batch > 1 else (0, 0, 0), epilogue, aligns, aux_ld, vec_aligns,
-           np.dtype(out.dtype).name, bool(accumulate))
+           np.dtype(out.dtype).name, bool(accumulate), np.dtype(bias.dtype).name if bias_role else None)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides,
                                    epilogue, aligns, aux_ld, vec_aligns, out.dtype, accumulate,
-                                   tune.candidate_count(2 * m * n * k * batch))
-    if epilogue != "default":
-        if bias is None:
-            raise ConfigError(f"GEMM epilogue {epilogue!r} needs a bias buffer")
-        plan.set_pointer(CUBLASLT_MATMUL_DESC_BIAS_POINTER, rt.ptr(bias))
-    if epilogue == "gelu_aux_bias":
-        plan.set_pointer(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, rt.ptr(aux))
+                                   tune.candidate_count(2 * m * n * k * batch),
+                                   bias.dtype if bias_role else None)
+    vectors = []  # (attribute, pointer, span, role) of the epilogue's bias and aux
+    if bias_role:
+        vectors.append((CUBLASLT_MATMUL_DESC_BIAS_POINTER, rt.ptr(bias),
+                        span(rt.ptr(bias), 1, n, n, np.dtype(bias.dtype).itemsize), bias_role))
+    if aux_role:
+        vectors.append((CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, rt.ptr(aux),
+                        span(rt.ptr(aux), m, n, aux_ld, np.dtype(aux.dtype).itemsize), aux_role))
+    for attr, ptr, _, _ in vectors:
+        plan.set_pointer(attr, ptr)
 
     def operands() -> Operands:
         item, out_item = dtype.itemsize, np.dtype(out.dtype).itemsize
         a_rows, a_cols = (k, m) if trans_a else (m, k)
         b_rows, b_cols = (n, k) if trans_b else (k, n)
-        gelu = epilogue == "gelu_aux_bias"
         return Operands(
             *ptrs, c_span=span(ptrs[2], m, n, ldc, out_item, batch, stride_c),
             a_span=span(ptrs[0], a_rows, a_cols, lda, item, batch, stride_a),
             b_span=span(ptrs[1], b_rows, b_cols, ldb, item, batch, stride_b),
-            bias_span=span(rt.ptr(bias), 1, n, n, np.dtype(bias.dtype).itemsize) if bias is not None else None,
-            aux_ptr=rt.ptr(aux) if gelu else None,
-            aux_span=span(rt.ptr(aux), m, n, aux_ld, np.dtype(aux.dtype).itemsize) if gelu else None)
+            reads=[sp for _, _, sp, role in vectors if role == "in"],
+            writes=[(attr, ptr, sp) for attr, ptr, sp, role in vectors if role == "out"])
     return plan, key, ptrs, operands
 
 
@@ -567,7 +582,9 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
     A is [m, k] with row stride lda, or with trans_a stored [k, m]; B is [k, n] with row
     stride ldb, or with trans_b stored [n, k]; strides are in elements. `a`, `b`, `out` are
     CuPy arrays whose first element is the first matrix. Epilogues: "bias" adds bias[n];
-    "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld);
+    "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld); "dgelu" writes
+    (A B) * gelu'(aux) (the GELU's backward: aux its input), "dgelu_bgrad" that and its column sums into
+    `bias` (the bias gradient, of bias's dtype: the operands' or float32);
     `out` is A's and B's dtype, or float32 for bfloat16/float16 operands (fp32 accumulation kept
     in the output); with accumulate, out += op(A) @ op(B) in place (beta = 1: in the GEMM, in a
     fixed order, e.g. a weight gradient summed over chunks of rows). A shape's first call picks the

@@ -9,6 +9,7 @@ collapse to one stride, partial broadcasting) are made contiguous first.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -168,6 +169,53 @@ def linear_gelu_fwd(x, weight, bias):
         pre = linear_fwd(x, weight, bias)
         return gelu_fwd(pre), pre
     return h, pre
+
+
+_no_dgelu_epilogue: set = set()  # (dtype, m, n, k, bias dtype) where cuBLASLt offered no DGELU(_BGRAD) algorithm
+
+
+def linear_gelu_bwd(grad, pre, weight, need_db, param_grad_dtype=None):
+    """(dpre, dbias) for y = gelu(pre) @ weight^T (+ b): dpre = (grad @ weight) * gelu'(pre), dbias = dpre's
+    column sums (None unless need_db), the bias gradient of the layer that made pre, in param_grad_dtype
+    (default pre's). In bf16/fp16 one GEMM makes both (cuBLASLt's DGELU_BGRAD epilogue, or DGELU without
+    dbias, its GELU derivative the ~1e-3 approximation its forward's GELU_AUX_BIAS is): no [N, in] gradient
+    of the GELU's output is written and read again. fp32 keeps kiln's exact GELU kernels after the GEMM.
+    With KILN_DGELU_BGRAD=0 the epilogue makes dpre only and kiln's column sums make dbias."""
+    cp = rt.cupy()
+    n_rows, n_out = grad.shape
+    n_in = weight.shape[1]
+    pdtype = np.dtype(pre.dtype if param_grad_dtype is None else param_grad_dtype)
+    bgrad = need_db and os.environ.get("KILN_DGELU_BGRAD", "1") != "0"
+    key = (np.dtype(pre.dtype).name, n_rows, n_in, n_out, pdtype.name if bgrad else None)
+    if np.dtype(pre.dtype).name not in ("bfloat16", "float16") or not _gemm_dtype(grad, weight, pre) \
+            or pre.shape != (n_rows, n_in) or pdtype.name not in ("float32", np.dtype(pre.dtype).name) \
+            or n_rows == 0 or n_out == 0 or n_in == 0 or key in _no_dgelu_epilogue:
+        return _linear_gelu_bwd_unfused(grad, pre, weight, need_db, pdtype)
+    ga, tg, ldg = as_matrix(grad)
+    wa, tw, ldw = as_matrix(weight)
+    pre = contiguous(pre)
+    dpre = cp.empty((n_rows, n_in), dtype=pre.dtype)
+    db = cp.empty((n_in,), dtype=pdtype) if bgrad else None
+    try:
+        cublaslt.gemm(ga, wa, dpre, m=n_rows, n=n_in, k=n_out, trans_a=tg, trans_b=tw, lda=ldg, ldb=ldw,
+                      epilogue="dgelu_bgrad" if bgrad else "dgelu", bias=db, aux=pre, aux_ld=n_in)
+    except cublaslt.CublasError:
+        _no_dgelu_epilogue.add(key)
+        return _linear_gelu_bwd_unfused(grad, pre, weight, need_db, pdtype)
+    if need_db and not bgrad:
+        db = cp.empty((n_in,), dtype=pdtype)
+        _bias_grad(dpre, db)
+    return dpre, db
+
+
+def _linear_gelu_bwd_unfused(grad, pre, weight, need_db, pdtype):
+    """linear_gelu_bwd as the GEMM, then kiln's GELU backward (with the column sums in its pass)."""
+    from kiln.backend.cuda.gelu import gelu_bwd, gelu_bwd_bias
+    if not _gemm_dtype(grad, weight, pre) or not (pdtype == pre.dtype or (
+            pdtype == np.float32 and np.dtype(pre.dtype).name in ("bfloat16", "float16"))):
+        return cpu_fallback(cpu.linear_gelu_bwd, grad, pre, weight, need_db, pdtype)
+    dh = linear_bwd(grad, None, weight, True, False, False)[0]
+    return gelu_bwd_bias(dh, pre, pdtype) if need_db else (gelu_bwd(dh, pre), None)
 
 
 def _linear_fwd_f64(x, weight, bias):
