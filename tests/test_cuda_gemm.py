@@ -168,15 +168,13 @@ def test_linear_gelu_fwd_matches_the_cpu_backend(gpu, dtype):
     assert rel(gpu.to_numpy(h), rh) <= tol
 
 
-@pytest.mark.parametrize("dtype, need_db, bgrad", [("float32", True, "1"), ("bfloat16", True, "1"),
-                                                   ("bfloat16", True, "0"), ("bfloat16", False, "1")],
-                         ids=["fp32", "bf16-dgelu_bgrad", "bf16-dgelu-column_sums", "bf16-dgelu"])
-def test_linear_gelu_bwd_matches_the_cpu_backend(gpu, monkeypatch, dtype, need_db, bgrad):
-    """dpre = (grad @ weight) * gelu'(pre) and fc's bias gradient: bf16 in one GEMM (the DGELU_BGRAD epilogue;
-    DGELU with kiln's column sums under KILN_DGELU_BGRAD=0; DGELU alone without dbias), fp32 as GEMM + kiln's
-    GELU backward; dbias in float32 (a bf16 copy of fp32 master weights). Two runs give the same bits."""
+@pytest.mark.parametrize("dtype, need_db", [("float32", True), ("bfloat16", True), ("bfloat16", False)],
+                         ids=["fp32", "bf16-dgelu-column_sums", "bf16-dgelu"])
+def test_linear_gelu_bwd_matches_the_cpu_backend(gpu, dtype, need_db):
+    """dpre = (grad @ weight) * gelu'(pre) and fc's bias gradient: bf16 in one GEMM (the DGELU epilogue) and
+    kiln's column sums of dpre, fp32 as GEMM + kiln's GELU backward; dbias in float32 (a bf16 copy of fp32
+    master weights). Two runs give the same bits."""
     import ml_dtypes
-    monkeypatch.setenv("KILN_DGELU_BGRAD", bgrad)
     dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     rng = np.random.default_rng()
     rows, n_out, n_in = 1000, 64, 256  # rows not a multiple of a tile

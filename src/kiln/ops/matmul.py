@@ -153,9 +153,9 @@ class GELULinear(Function):
 
 class LinearGELULinear(Function):
     """gelu(x @ fc_weight^T + fc_bias) @ proj_weight^T + proj_bias, a GPT MLP, in one op: its backward makes
-    the GELU's input gradient and fc's bias gradient in the GEMM that makes the GELU output's gradient
-    (linear_gelu_bwd: cuBLASLt's DGELU_BGRAD epilogue in bf16), so no [N, hidden] gradient is written and read
-    again between the two layers. Keeps what LinearGELU then Linear keep: x, the pre-activation and the GELU."""
+    the GELU's input gradient in the GEMM that makes the GELU output's gradient (linear_gelu_bwd: cuBLASLt's
+    DGELU epilogue in bf16), so no [N, hidden] gradient is written and read again between the two layers.
+    Keeps what LinearGELU then Linear keep: x, the pre-activation and the GELU."""
 
     fresh_grads = True  # backward returns new arrays (AccumulateGrad keeps them uncopied)
 

@@ -72,11 +72,9 @@ EPILOGUES = {
     "bias": 4,             # CUBLASLT_EPILOGUE_BIAS: D += bias, bias length = rows of D (= N row-major)
     "gelu_aux_bias": 164,  # CUBLASLT_EPILOGUE_GELU_AUX_BIAS = GELU_AUX (32|128) | BIAS (4)
     "dgelu": 192,          # CUBLASLT_EPILOGUE_DGELU = 64|128: D = (A B) * gelu'(aux)
-    "dgelu_bgrad": 208,    # CUBLASLT_EPILOGUE_DGELU_BGRAD = DGELU | 16: and bias = D's column sums (row-major)
 }
 EPILOGUE_ROLES = {  # epilogue: (bias, aux)
-    "default": (None, None), "bias": ("in", None), "gelu_aux_bias": ("in", "out"),
-    "dgelu": (None, "in"), "dgelu_bgrad": ("out", "in"),
+    "default": (None, None), "bias": ("in", None), "gelu_aux_bias": ("in", "out"), "dgelu": (None, "in"),
 }
 
 WORKSPACE_BYTES = 32 << 20
@@ -254,7 +252,7 @@ class _Plan:
     (its first pick first; `count` asked for) and `algo`, the one it runs: None until its first use."""
 
     def __init__(self, key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides, epilogue,
-                 aligns, aux_ld, vec_aligns, out_dtype=None, accumulate=False, count=1, bias_dtype=None):
+                 aligns, aux_ld, vec_aligns, out_dtype=None, accumulate=False, count=1):
         lib = _load_library()
         ctx = _context()
         self.lib = lib
@@ -274,9 +272,9 @@ class _Plan:
         _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
              ctypes.c_uint32(EPILOGUES[epilogue]))
         bias_role, aux_role = EPILOGUE_ROLES[epilogue]
-        if bias_role:  # the operands' type, or fp32 (a bias gradient kept in fp32 under bf16 operands)
+        if bias_role:
             _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                 ctypes.c_int32(DTYPES[np.dtype(bias_dtype if bias_dtype is not None else dtype).name]))
+                 ctypes.c_int32(dt))
         if aux_role:
             _set(lib.cublasLtMatmulDescSetAttribute, self.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                  ctypes.c_int64(aux_ld))
@@ -364,7 +362,7 @@ def _algo(values):
 class Operands:
     """What timing a plan's candidates needs of one call: the pointers, and the byte spans the GEMM reads (A,
     B, the epilogue's inputs, and C = D when accumulating) and writes (D, and the epilogue's outputs: aux under
-    GELU_AUX_BIAS, the bias gradient under DGELU_BGRAD), each epilogue output as (attribute, pointer, span)."""
+    GELU_AUX_BIAS), each epilogue output as (attribute, pointer, span)."""
 
     def __init__(self, a_ptr, b_ptr, c_ptr, c_span, a_span, b_span, reads=(), writes=()):
         self.a_ptr, self.b_ptr, self.c_ptr = a_ptr, b_ptr, c_ptr
@@ -544,13 +542,12 @@ def prepare(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=N
     strides = (int(stride_a), int(stride_b), int(stride_c))
     key = (rt.device_id(), np.dtype(dtype).name, compute_type(dtype), m, n, k, bool(trans_a), bool(trans_b),
            lda, ldb, ldc, batch, strides if batch > 1 else (0, 0, 0), epilogue, aligns, aux_ld, vec_aligns,
-           np.dtype(out.dtype).name, bool(accumulate), np.dtype(bias.dtype).name if bias_role else None)
+           np.dtype(out.dtype).name, bool(accumulate))
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(key, dtype, m, n, k, trans_a, trans_b, lda, ldb, ldc, batch, strides,
                                    epilogue, aligns, aux_ld, vec_aligns, out.dtype, accumulate,
-                                   tune.candidate_count(2 * m * n * k * batch),
-                                   bias.dtype if bias_role else None)
+                                   tune.candidate_count(2 * m * n * k * batch))
     vectors = []  # (attribute, pointer, span, role) of the epilogue's bias and aux
     if bias_role:
         vectors.append((CUBLASLT_MATMUL_DESC_BIAS_POINTER, rt.ptr(bias),
@@ -583,8 +580,7 @@ def gemm(a, b, out, *, m, n, k, trans_a=False, trans_b=False, lda=None, ldb=None
     stride ldb, or with trans_b stored [n, k]; strides are in elements. `a`, `b`, `out` are
     CuPy arrays whose first element is the first matrix. Epilogues: "bias" adds bias[n];
     "gelu_aux_bias" writes gelu(x + bias) to out and x + bias to `aux` (row stride aux_ld); "dgelu" writes
-    (A B) * gelu'(aux) (the GELU's backward: aux its input), "dgelu_bgrad" that and its column sums into
-    `bias` (the bias gradient, of bias's dtype: the operands' or float32);
+    (A B) * gelu'(aux) (the GELU's backward: aux its input);
     `out` is A's and B's dtype, or float32 for bfloat16/float16 operands (fp32 accumulation kept
     in the output); with accumulate, out += op(A) @ op(B) in place (beta = 1: in the GEMM, in a
     fixed order, e.g. a weight gradient summed over chunks of rows). A shape's first call picks the

@@ -9,7 +9,6 @@ collapse to one stride, partial broadcasting) are made contiguous first.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
@@ -171,22 +170,22 @@ def linear_gelu_fwd(x, weight, bias):
     return h, pre
 
 
-_no_dgelu_epilogue: set = set()  # (dtype, m, n, k, bias dtype) where cuBLASLt offered no DGELU(_BGRAD) algorithm
+_no_dgelu_epilogue: set = set()  # (dtype, m, n, k) where cuBLASLt offered no DGELU algorithm
 
 
 def linear_gelu_bwd(grad, pre, weight, need_db, param_grad_dtype=None):
     """(dpre, dbias) for y = gelu(pre) @ weight^T (+ b): dpre = (grad @ weight) * gelu'(pre), dbias = dpre's
-    column sums (None unless need_db), the bias gradient of the layer that made pre, in param_grad_dtype
-    (default pre's). In bf16/fp16 one GEMM makes both (cuBLASLt's DGELU_BGRAD epilogue, or DGELU without
-    dbias, its GELU derivative the ~1e-3 approximation its forward's GELU_AUX_BIAS is): no [N, in] gradient
-    of the GELU's output is written and read again. fp32 keeps kiln's exact GELU kernels after the GEMM.
-    With KILN_DGELU_BGRAD=0 the epilogue makes dpre only and kiln's column sums make dbias."""
+    column sums (None unless need_db: the bias gradient of the layer that made pre, _bias_grad) in
+    param_grad_dtype (default pre's). In bf16/fp16 the GELU's backward rides in the GEMM (cuBLASLt's DGELU
+    epilogue, its GELU derivative the ~1e-3 approximation its forward's GELU_AUX_BIAS is): no [N, in]
+    gradient of the GELU's output is written and read again. fp32 keeps kiln's exact GELU kernels after the
+    GEMM. (DGELU_BGRAD, dbias in the same GEMM, found no algorithm for an fp32 bias gradient under bf16
+    operands on the H100: its heuristic answered INVALID_VALUE, device-check-2026-12-07-h100-s15.)"""
     cp = rt.cupy()
     n_rows, n_out = grad.shape
     n_in = weight.shape[1]
     pdtype = np.dtype(pre.dtype if param_grad_dtype is None else param_grad_dtype)
-    bgrad = need_db and os.environ.get("KILN_DGELU_BGRAD", "1") != "0"
-    key = (np.dtype(pre.dtype).name, n_rows, n_in, n_out, pdtype.name if bgrad else None)
+    key = (np.dtype(pre.dtype).name, n_rows, n_in, n_out)
     if np.dtype(pre.dtype).name not in ("bfloat16", "float16") or not _gemm_dtype(grad, weight, pre) \
             or pre.shape != (n_rows, n_in) or pdtype.name not in ("float32", np.dtype(pre.dtype).name) \
             or n_rows == 0 or n_out == 0 or n_in == 0 or key in _no_dgelu_epilogue:
@@ -195,14 +194,14 @@ def linear_gelu_bwd(grad, pre, weight, need_db, param_grad_dtype=None):
     wa, tw, ldw = as_matrix(weight)
     pre = contiguous(pre)
     dpre = cp.empty((n_rows, n_in), dtype=pre.dtype)
-    db = cp.empty((n_in,), dtype=pdtype) if bgrad else None
     try:
         cublaslt.gemm(ga, wa, dpre, m=n_rows, n=n_in, k=n_out, trans_a=tg, trans_b=tw, lda=ldg, ldb=ldw,
-                      epilogue="dgelu_bgrad" if bgrad else "dgelu", bias=db, aux=pre, aux_ld=n_in)
+                      epilogue="dgelu", aux=pre, aux_ld=n_in)
     except cublaslt.CublasError:
         _no_dgelu_epilogue.add(key)
         return _linear_gelu_bwd_unfused(grad, pre, weight, need_db, pdtype)
-    if need_db and not bgrad:
+    db = None
+    if need_db:
         db = cp.empty((n_in,), dtype=pdtype)
         _bias_grad(dpre, db)
     return dpre, db
