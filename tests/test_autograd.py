@@ -177,3 +177,32 @@ def test_two_fresh_gradients_of_one_tensor_are_summed_in_place():
     (Twice.apply(x) + Twice.apply(x) * 3.0).sum().backward()
     np.testing.assert_array_equal(x.grad.numpy(), np.full(4, 8.0))
     assert len(made) == 2 and (x.grad.data is made[0] or x.grad.data is made[1])
+
+
+def test_fresh_grads_per_input_keeps_the_fresh_ones_and_copies_the_shared_one():
+    """fresh_grads as a tuple: an op whose backward returns one array for two inputs (not fresh) and a new
+    array for a third (fresh, AddLayerNorm's dweight): the leaves get the fresh one as it is, the shared
+    one copied (each leaf its own)."""
+    from kiln.autograd import Function
+
+    made = {}
+
+    class SharedAndFresh(Function):
+        fresh_grads = (False, False, True)
+
+        @staticmethod
+        def forward(ctx, x, y, w):
+            return x.data + y.data + w.data
+
+        @staticmethod
+        def backward(ctx, g):
+            made["shared"], made["fresh"] = g * 1.0, g * 2.0
+            return made["shared"], made["shared"], made["fresh"]
+
+    x, y, w = (kiln.randn(3, dtype="float64", requires_grad=True) for _ in range(3))
+    SharedAndFresh.apply(x, y, w).sum().backward()
+    assert w.grad.data is made["fresh"]
+    assert x.grad.data is not made["shared"] and y.grad.data is not made["shared"]
+    assert x.grad.data is not y.grad.data
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones(3))
+    np.testing.assert_array_equal(w.grad.numpy(), np.full(3, 2.0))

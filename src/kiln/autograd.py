@@ -105,7 +105,8 @@ class Function:
 
     __slots__ = ("__dict__", "_saved", "freed", "needs_input_grad", "next_edges", "num_outputs", "seq")
     is_view = False  # True for ops whose outputs alias their first input (they share its version)
-    fresh_grads = False  # True when backward returns new arrays only, none aliasing another or g
+    # True when backward returns new arrays only, none aliasing another or g; or a tuple, that per input
+    fresh_grads: bool | tuple = False
     # False: an output of a multi-output op that no gradient reached comes to backward as None
     # (as PyTorch's ctx.set_materialize_grads(False)); True: as zeros of the output's shape.
     materialize_grads = True
@@ -315,7 +316,7 @@ def _run_graph(ready, pending, deps, owned, retain_graph) -> None:
             fresh = type(node).fresh_grads
             if not retain_graph:
                 node.release()
-            for edge, g in zip(node.next_edges, in_grads):
+            for i, (edge, g) in enumerate(zip(node.next_edges, in_grads)):
                 if edge is None:
                     continue
                 child, nr = edge
@@ -327,7 +328,7 @@ def _run_graph(ready, pending, deps, owned, retain_graph) -> None:
                                                         else child.num_outputs)
                     if slot[nr] is None:
                         slot[nr] = g
-                        if fresh:
+                        if fresh is True or (fresh is not False and fresh[i]):
                             owned.add(id(g))
                     elif id(slot[nr]) in owned and slot[nr].shape == g.shape and slot[nr].dtype == g.dtype:
                         array_backend(g).add(slot[nr], g, out=slot[nr])  # nothing else holds it: in place

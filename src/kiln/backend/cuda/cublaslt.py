@@ -10,7 +10,7 @@ silently accepted and silently wrong, which is why tests/test_cuda_gemm.py walks
 transpose and leading-dimension combination against a float64 reference.
 
 Which of cuBLASLt's algorithms a plan runs is gemm_autotune.py's question: with tuning on (the
-default) the fastest of the heuristic's candidates, timed once per shape per machine and kept in a file.
+KILN_GEMM_AUTOTUNE=1; off by default) the fastest of the heuristic's candidates, timed once per shape per machine and kept in a file.
 
 Enum values below are from cublasLt.h / cublas_api.h / library_types.h of CUDA 13
 (nvidia-cublas 13.10 wheel, nvidia/cu13/include).
