@@ -1,9 +1,11 @@
 """One add_layer_norm_bwd (fp32 residual, bf16 branch, the _dy kernel) and one add_layer_norm_fwd at GPT-2's
 16384 x 768, warmed up, then inside cudaProfilerStart/Stop for ncu --profile-from-start off."""
+import cupy as cp
 import ml_dtypes
 import numpy as np
+
 import kiln
-import cupy as cp
+
 be = kiln.backend.get_backend("cuda")
 rng = np.random.default_rng(0)
 n, c = 16384, 768
