@@ -43,7 +43,10 @@
 # fresh machine), and every GEMM of the bf16, tf32 and fp32 steps heuristic vs tuned, ~500 s),
 # attention-ncu (issue 14: Nsight Compute's full set on one call of each attention kernel, kiln's forward, split-tma, split and
 # fused-bulk backwards and SDPA's, at the GPT-2 shape: benchmarks/attention_ncu.py; the report, its details page,
-# its per-SASS-instruction page and their digest by benchmarks/ncu_summary.py, ~1 min).
+# its per-SASS-instruction page and their digest by benchmarks/ncu_summary.py, ~1 min),
+# compiler (the device's NVRTC version, and tests/test_kernel_compile.py under it, one line a test: CI compiles with
+# the nvidia-cuda-nvrtc wheel (13.5 on 2026-12-07), whose ptxas allocates registers otherwise: that day the
+# device's failed the spill test of attention.cu and random.cu, which CI's passes, ~2 min).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
@@ -162,6 +165,9 @@ for p in "$@"; do
                            --print-source sass &&
                        part attention-ncu-summary 60 python3 benchmarks/ncu_summary.py "$LOGS/attention-ncu-details.log" \
                            "$LOGS/attention-ncu-sass.log" --out "$LOGS/attention-ncu-summary.md" ;;
+        compiler) part nvrtc-version 30 python3 -c "from kiln.backend.cuda import compiler; \
+                      print('NVRTC', compiler._nvrtc_version())" &&
+                  part kernel-compile-tests 300 python3 -m pytest -v -p no:cacheprovider tests/test_kernel_compile.py ;;
         gemm-tune) part gemm-tune-tests 240 python3 benchmarks/cuda_suite.py --shards 2 --logs "$LOGS/gemm-tune" \
                        --paths tests/test_gemm_autotune.py tests/test_cuda_gemm.py
                    part gpt2_step-gemm-tune 150 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 \

@@ -218,7 +218,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                     help="kiln runs every step op by op (default: replayed as one CUDA graph from step 2)")
     ap.add_argument("--kernel-profile", metavar="DIR",
-                    help="after the timed steps, profile 3 more steps per framework: a table of GPU kernels in DIR")
+                    help="after the timed steps, profile 3 more steps per framework: a table of GPU kernels in DIR, and "
+                         "kiln's against each PyTorch framework's by kernel family (kernel_compare.py)")
     ap.add_argument("--framework", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -295,6 +296,28 @@ def main() -> None:
                      f"{r.get('memory_vs_compile', nan):.2f} | {r.get('max_loss_diff_vs_eager', nan):.2e} |")
     (out / f"gpt2_step-{date}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.kernel_profile:
+        compare_kernels(Path(args.kernel_profile), frameworks, args.modes.split(","))
+
+
+def compare_kernels(folder: Path, frameworks, modes) -> list[Path]:
+    """Beside the kernel tables: each kiln framework's kernels against each PyTorch framework's of the same mode,
+    family by family (benchmarks/kernel_compare.py), as kernel-compare-<kiln>-<peer>-<mode>.md; the files written."""
+    import kernel_compare
+    written = []
+    for mode in modes:
+        for ours in [f for f in frameworks if f.startswith("kiln")]:
+            for peer in [f for f in frameworks if not f.startswith("kiln")]:
+                a, b = (folder / f"kernels-{f}-{mode}.txt" for f in (ours, peer))
+                if not (a.exists() and b.exists()):
+                    continue
+                md = kernel_compare.table(kernel_compare.by_family(a.read_text()),
+                                          kernel_compare.by_family(b.read_text()), (ours, peer))
+                path = folder / f"kernel-compare-{ours}-{peer}-{mode}.md"
+                path.write_text(md + "\n")
+                written.append(path)
+                print(f"\n{ours} against {peer}, {mode}, GPU time a step by kernel family:\n{md}")
+    return written
 
 
 if __name__ == "__main__":

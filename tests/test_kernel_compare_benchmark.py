@@ -50,3 +50,14 @@ def test_family_order_puts_fused_norms_before_casts():
     assert kc.family("triton_per_fused__to_copy_add_native_layer_norm_backward_view_9") == "layer norm (+ residual add)"
     assert kc.family("triton_poi_fused__to_copy_view_2") == "memset / copy / cast"
     assert kc.family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x64_warpgroupsize1x1x1_aux_bf16") == "GEMM"
+
+
+def test_gpt2_step_writes_the_comparison_beside_its_kernel_tables(tmp_path):
+    gs = load_benchmark("gpt2_step")
+    (tmp_path / "kernels-kiln-bf16.txt").write_text(_table("kiln bf16: GPU kernels of 1 steps (divide the totals by 1)",
+                                                           [("nvjet_sm90_x", "2.000ms", 3)]))
+    (tmp_path / "kernels-compile-bf16.txt").write_text(
+        _table("compile bf16: GPU kernels of 1 steps (divide the totals by 1)", [("nvjet_sm90_x", "1.500ms", 3)]))
+    written = gs.compare_kernels(tmp_path, ["kiln", "eager", "compile"], ["bf16", "fp32"])  # eager's table missing
+    assert [p.name for p in written] == ["kernel-compare-kiln-compile-bf16.md"]
+    assert "| GEMM | 2.00 | 3 | 1.50 | 3 | +0.50 |" in written[0].read_text()
