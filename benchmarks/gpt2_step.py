@@ -302,7 +302,8 @@ def main() -> None:
 
 def compare_kernels(folder: Path, frameworks, modes) -> list[Path]:
     """Beside the kernel tables: each kiln framework's kernels against each PyTorch framework's of the same mode,
-    family by family (benchmarks/kernel_compare.py), as kernel-compare-<kiln>-<peer>-<mode>.md; the files written."""
+    family by family (benchmarks/kernel_compare.py), as kernel-compare-<kiln>-<peer>-<mode>.md and .png; the tables
+    written."""
     import kernel_compare
     written = []
     for mode in modes:
@@ -315,6 +316,8 @@ def compare_kernels(folder: Path, frameworks, modes) -> list[Path]:
                                           kernel_compare.by_family(b.read_text()), (ours, peer))
                 path = folder / f"kernel-compare-{ours}-{peer}-{mode}.md"
                 path.write_text(md + "\n")
+                kernel_compare.plot(kernel_compare.by_family(a.read_text()), kernel_compare.by_family(b.read_text()),
+                                    (ours, peer), path.with_suffix(".png"))
                 written.append(path)
                 print(f"\n{ours} against {peer}, {mode}, GPU time a step by kernel family:\n{md}")
     return written

@@ -1,6 +1,6 @@
 """Two frameworks' GPU kernels of the same step, side by side by kernel family: where one spends more time.
 
-    python benchmarks/kernel_compare.py KILN.txt PEER.txt [--names kiln,compile] [--out FILE.md]
+    python benchmarks/kernel_compare.py KILN.txt PEER.txt [--names kiln,compile] [--out FILE.md] [--plot FILE.png]
 
 Reads the kernel tables `benchmarks/gpt2_step.py --kernel-profile DIR` writes (torch.profiler's, over N steps:
 its first line says N), sorts every kernel into a family by its name (FAMILIES, first match; "other" for
@@ -83,24 +83,53 @@ def table(a: dict, b: dict, names: tuple[str, str]) -> str:
     return "\n".join(lines)
 
 
+def plot(a: dict, b: dict, names: tuple[str, str], path: Path) -> None:
+    """A bar a framework for each family's milliseconds a step, the difference written beside each pair."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    order = [f for f, _ in FAMILIES] + ["other"]
+    fams = sorted(set(a) | set(b), key=order.index)[::-1]  # the first family on top
+    ys = range(len(fams))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(fams) + 1.2))
+    va = [a.get(f, (0.0, 0.0))[0] for f in fams]
+    vb = [b.get(f, (0.0, 0.0))[0] for f in fams]
+    ax.barh([y + 0.2 for y in ys], va, height=0.4, label=names[0], color="#c0504d")
+    ax.barh([y - 0.2 for y in ys], vb, height=0.4, label=names[1], color="#4f81bd")
+    for y, x1, x2 in zip(ys, va, vb):
+        ax.text(max(x1, x2) + 0.1, y, f"{x1 - x2:+.2f} ms", va="center", fontsize=8)
+    ax.set_yticks(list(ys), fams)
+    ax.set_xlabel("GPU time a step (ms)")
+    ax.set_title(f"{names[0]} {sum(va):.1f} ms against {names[1]} {sum(vb):.1f} ms of kernels a step")
+    ax.set_xlim(0, max(va + vb) * 1.25)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("first", help="a kernel table (kernels-<framework>-<mode>.txt)")
     p.add_argument("second", help="the peer's, of the same step")
     p.add_argument("--names", default=None, help="the two columns' names (default: from the tables' first lines)")
     p.add_argument("--out", help="also write the table to this markdown file")
+    p.add_argument("--plot", help="also draw it: a PNG at this path")
     args = p.parse_args(argv)
     texts = [Path(f).read_text() for f in (args.first, args.second)]
     names = tuple(args.names.split(",")) if args.names else tuple(t.split(":", 1)[0] for t in texts)
     if len(names) != 2:
         p.error("--names takes two names, comma-separated")
     try:
-        md = table(by_family(texts[0]), by_family(texts[1]), names)
+        fams = by_family(texts[0]), by_family(texts[1])
     except ValueError as e:
         p.error(str(e))
+    md = table(*fams, names)
     print(md)
     if args.out:
         Path(args.out).write_text(md + "\n")
+    if args.plot:
+        plot(*fams, names, Path(args.plot))
     return 0
 
 

@@ -61,3 +61,4 @@ def test_gpt2_step_writes_the_comparison_beside_its_kernel_tables(tmp_path):
     written = gs.compare_kernels(tmp_path, ["kiln", "eager", "compile"], ["bf16", "fp32"])  # eager's table missing
     assert [p.name for p in written] == ["kernel-compare-kiln-compile-bf16.md"]
     assert "| GEMM | 2.00 | 3 | 1.50 | 3 | +0.50 |" in written[0].read_text()
+    assert written[0].with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
