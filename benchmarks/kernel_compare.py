@@ -18,8 +18,8 @@ from pathlib import Path
 
 # family -> a regular expression over the kernel's name (searched, case-sensitive), in the order tried
 FAMILIES = (
+    ("attention", r"attention_|flash|sdpa|fmha|compute_dot_do_o|convert_dq"),  # before GEMM: fmha_cutlassF_...
     ("GEMM", r"^nvjet_|^sm90_xmma_gemm|cutlass|cublasLt::|gemm"),
-    ("attention", r"attention_|flash|sdpa|fmha|compute_dot_do_o|convert_dq"),
     ("layer norm (+ residual add)", r"layer_norm"),
     ("GELU", r"gelu"),
     ("cross-entropy", r"cross_entropy|log_softmax|nll_loss"),

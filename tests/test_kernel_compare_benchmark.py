@@ -45,10 +45,11 @@ def test_tables_are_read_sorted_into_families_and_compared():
         kc.parse("a table without its title\n")
 
 
-def test_family_order_puts_fused_norms_before_casts():
+def test_family_order_puts_fused_norms_before_casts_and_attention_before_gemms():
     kc = load_benchmark("kernel_compare")
     assert kc.family("triton_per_fused__to_copy_add_native_layer_norm_backward_view_9") == "layer norm (+ residual add)"
     assert kc.family("triton_poi_fused__to_copy_view_2") == "memset / copy / cast"
+    assert kc.family("fmha_cutlassF_f32_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...") == "attention"
     assert kc.family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x64_warpgroupsize1x1x1_aux_bf16") == "GEMM"
 
 
