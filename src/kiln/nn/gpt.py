@@ -132,7 +132,7 @@ class MLP(Module):
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=resid_std, generator=generator)
         self.dropout = Dropout(cfg.dropout)
         # True: c_fc, the GELU and c_proj are one op (F.linear_gelu_linear: the GELU's backward rides in the
-        # epilogue of the GEMM that makes its gradient) where both layers are kiln's Linear with biases;
+        # epilogue of the GEMM that makes its gradient) where both layers are kiln's Linear and c_fc has a bias;
         # False: the ops of c_fc.forward_gelu and c_proj (what the precision logger compares, op by op)
         self.fused = True
 
