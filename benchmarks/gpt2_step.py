@@ -312,12 +312,11 @@ def compare_kernels(folder: Path, frameworks, modes) -> list[Path]:
                 a, b = (folder / f"kernels-{f}-{mode}.txt" for f in (ours, peer))
                 if not (a.exists() and b.exists()):
                     continue
-                md = kernel_compare.table(kernel_compare.by_family(a.read_text()),
-                                          kernel_compare.by_family(b.read_text()), (ours, peer))
+                fams = kernel_compare.by_family(a.read_text()), kernel_compare.by_family(b.read_text())
+                md = kernel_compare.table(*fams, (ours, peer))
                 path = folder / f"kernel-compare-{ours}-{peer}-{mode}.md"
                 path.write_text(md + "\n")
-                kernel_compare.plot(kernel_compare.by_family(a.read_text()), kernel_compare.by_family(b.read_text()),
-                                    (ours, peer), path.with_suffix(".png"))
+                kernel_compare.plot(*fams, (ours, peer), path.with_suffix(".png"))
                 written.append(path)
                 print(f"\n{ours} against {peer}, {mode}, GPU time a step by kernel family:\n{md}")
     return written
