@@ -2,11 +2,14 @@
 a folder of its own, the arms interleaved, and `benchmarks/attention.py`'s tables merged into one.
 
     here, in the checkout:  python benchmarks/ab.py prepare 53bfcb3 HEAD wt      (-> ab-arms/, git-ignored)
+                            python benchmarks/ab.py prepare HEAD HEAD,KILN_DGELU=0   (an arm with a setting)
     on the device:          python3 benchmarks/ab.py run --repeat 2 --logs $OUT/ab -- \\
                                 python3 benchmarks/attention.py --bwd split
                             python3 benchmarks/ab.py table $OUT/ab
 
-(pass `carry: ["ab-arms"]` to the device call). An arm holds src/, benchmarks/ (without results/),
+(pass `carry: ["ab-arms"]` to the device call). A rev may carry environment settings after commas
+(`REV,VAR=VALUE,...`), set for its runs: two arms of one tree, a knob on and off. `table` merges
+benchmarks/attention.py's kiln ms and benchmarks/gpt2_step.py's tokens/s. An arm holds src/, benchmarks/ (without results/),
 tests/ and pyproject.toml; the command runs with the arm's folder as its working directory and the
 arm's src/ as PYTHONPATH. A folder per arm, not PYTHONPATH alone, because the benchmarks put their
 own ROOT/src first on sys.path (kernel_speed.py): an A/B that only switched PYTHONPATH ran one tree
@@ -44,8 +47,15 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
     for old in out.glob("*.tgz"):
         old.unlink()
     arms = []
-    for i, rev in enumerate(revs):
-        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in rev)
+    for i, spec in enumerate(revs):
+        rev, *settings = spec.split(",")
+        env = {}
+        for kv in settings:
+            var, eq, value = kv.partition("=")
+            if not eq or not var:
+                raise SystemExit(f"ab.py prepare: {spec!r}: settings after the rev are VAR=VALUE, comma-separated")
+            env[var] = value
+        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in spec)
         if rev == "wt":
             sha = _git("rev-parse", "--short", "HEAD", cwd=repo).decode().strip() + "+wt"
             files = _git("ls-files", "-co", "--exclude-standard", "--", *PATHS, f":(exclude){EXCLUDE}", cwd=repo)
@@ -61,7 +71,7 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
             with tarfile.open(out / f"{i}-{name}.tgz", "w:gz") as tar, tarfile.open(fileobj=io.BytesIO(data)) as src:
                 for member in src.getmembers():
                     tar.addfile(member, src.extractfile(member) if member.isfile() else None)
-        arms.append({"name": name, "rev": rev, "commit": sha, "file": f"{i}-{name}.tgz"})
+        arms.append({"name": name, "rev": rev, "commit": sha, "file": f"{i}-{name}.tgz", "env": env})
     (out / "manifest.json").write_text(json.dumps(arms, indent=1) + "\n")
     return arms
 
@@ -81,7 +91,8 @@ def run(arms_dir: Path, work: Path, logs: Path, cmd: list[str], repeat: int, tim
     for i in range(1, repeat + 1):
         for arm in arms:
             d = work / arm["name"]
-            env = dict(os.environ, PYTHONPATH=str(d / "src"), KILN_AB_ARM=arm["name"], KILN_COMMIT=arm["commit"])
+            env = dict(os.environ, **arm.get("env", {}), PYTHONPATH=str(d / "src"), KILN_AB_ARM=arm["name"],
+                       KILN_COMMIT=arm["commit"])
             log = logs / f"{arm['name']}-{i}.log"
             t0 = time.monotonic()
             with open(log, "w") as f:
@@ -109,24 +120,43 @@ def attention_rows(text: str) -> dict[tuple, float]:
     return rows
 
 
+def gpt2_step_rows(text: str) -> dict[tuple, float]:
+    """tokens/s per (framework, mode) from a benchmarks/gpt2_step.py log."""
+    rows = {}
+    for line in text.splitlines():
+        p = line.split()
+        if len(p) >= 4 and p[3] == "tok/s":
+            try:
+                rows[(p[0], p[1])] = float(p[2])
+            except ValueError:
+                continue
+    return rows
+
+
 def table(logs: Path) -> str:
-    """Each case's kiln ms in every run, each arm's median, and the median's ratio to the first arm's."""
+    """Each case's figure in every run, each arm's median, and the median's ratio to the first arm's: kiln ms of
+    benchmarks/attention.py logs, or tokens/s of benchmarks/gpt2_step.py logs."""
     meta = json.loads((logs / "runs.json").read_text())
     names = [a["name"] for a in meta["arms"]]
-    runs = [(r["arm"], r["run"], attention_rows((logs / r["log"]).read_text(errors="replace"))) for r in meta["runs"]]
+    texts = [(r["arm"], r["run"], (logs / r["log"]).read_text(errors="replace")) for r in meta["runs"]]
+    parsed = [(unit, [(a, i, parse(text)) for a, i, text in texts])
+              for unit, parse in (("kiln ms", attention_rows), ("tokens/s", gpt2_step_rows))]
+    found = [(unit, runs) for unit, runs in parsed if any(rows for _, _, rows in runs)]
+    if not found:
+        return "no benchmarks/attention.py or benchmarks/gpt2_step.py rows in these logs\n"
+    unit, runs = found[0]
     cases = list(dict.fromkeys(k for _, _, rows in runs for k in rows))
-    if not cases:
-        return "no benchmarks/attention.py rows in these logs\n"
     cols = [f"{a}-{i}" for a, i, _ in runs]
-    out = ["kiln ms; " + ", ".join(f"{a['name']} = {a['commit']}" for a in meta["arms"]),
+    out = [f"{unit}; " + ", ".join(f"{a['name']} = {a['commit']}" for a in meta["arms"]),
            " ".join(["case".ljust(44)] + [c.rjust(9) for c in cols] + [f"med {n}".rjust(9) for n in names]
                     + [f"{n}/{names[0]}".rjust(9) for n in names[1:]])]
     for case in cases:
         vals = [rows.get(case) for _, _, rows in runs]
         med = {n: statistics.median([v for (a, _, _), v in zip(runs, vals) if a == n and v is not None] or [float("nan")])
                for n in names}
-        cells = [("-" if v is None else f"{v:.3f}").rjust(9) for v in vals]
-        cells += [f"{med[n]:.3f}".rjust(9) for n in names]
+        fmt = "{:.3f}" if unit == "kiln ms" else "{:.0f}"
+        cells = [("-" if v is None else fmt.format(v)).rjust(9) for v in vals]
+        cells += [fmt.format(med[n]).rjust(9) for n in names]
         cells += [f"{med[n] / med[names[0]]:.3f}".rjust(9) for n in names[1:]]
         out.append(" ".join([" ".join(c for c in case if c != "-").ljust(44)] + cells))
     return "\n".join(out) + "\n"
@@ -135,7 +165,8 @@ def table(logs: Path) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("prepare", help="archive each rev's code (wt: the working tree) into --arms")
+    p = sub.add_parser("prepare", help="archive each rev's code (wt: the working tree; REV,VAR=VALUE: with a setting) "
+                                       "into --arms")
     p.add_argument("revs", nargs="+")
     p.add_argument("--arms", type=Path, default=ROOT / "ab-arms")
     r = sub.add_parser("run", help="run the command after -- in every arm, interleaved")
@@ -145,7 +176,7 @@ def main(argv=None) -> int:
     r.add_argument("--repeat", type=int, default=2)
     r.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     r.add_argument("cmd", nargs=argparse.REMAINDER)
-    t = sub.add_parser("table", help="merge the runs' benchmarks/attention.py tables")
+    t = sub.add_parser("table", help="merge the runs' benchmarks/attention.py or gpt2_step.py figures")
     t.add_argument("logs", type=Path)
     args = ap.parse_args(argv)
     if args.what == "prepare":

@@ -60,3 +60,34 @@ def test_the_table_has_every_run_the_medians_and_the_ratios(tmp_path):
     row = lines[2].split()
     assert row[:3] == ["2x12x16384x64", "fwd", "tma-pingpong"]
     assert row[3:] == ["1.000", "1.200", "0.500", "0.700", "1.100", "0.600", "0.545"]
+
+
+def test_an_arm_may_carry_settings_for_its_runs(repo, tmp_path):
+    """REV,VAR=VALUE: two arms of one tree, a knob set in one (the DGELU_BGRAD A/B of 2026-12-07 ran its knob
+    outside the interleaving for want of this)."""
+    ab = load_benchmark("ab")
+    (repo / "benchmarks" / "knob.py").write_text("import os\nprint('knob', os.environ.get('KILN_KNOB', 'unset'))\n")
+    arms = ab.prepare(["wt", "wt,KILN_KNOB=0,KILN_OTHER=a=b"], repo, tmp_path / "arms")
+    assert [a["name"] for a in arms] == ["wt", "wt_KILN_KNOB_0_KILN_OTHER_a_b"]
+    assert arms[0]["env"] == {} and arms[1]["env"] == {"KILN_KNOB": "0", "KILN_OTHER": "a=b"}
+    runs = ab.run(tmp_path / "arms", tmp_path / "work", tmp_path / "logs", [sys.executable, "benchmarks/knob.py"],
+                  repeat=1, timeout=60)
+    assert [(tmp_path / "logs" / r["log"]).read_text().strip() for r in runs] == ["knob unset", "knob 0"]
+    with pytest.raises(SystemExit, match="VAR=VALUE"):
+        ab.prepare(["HEAD,KILN_KNOB"], repo, tmp_path / "bad")
+
+
+def test_the_table_reads_gpt2_step_tokens_per_second(tmp_path):
+    ab = load_benchmark("ab")
+    arms = [{"name": "base", "commit": "aaa"}, {"name": "new", "commit": "bbb"}]
+    runs = []
+    for arm, toks in (("base", (476556, 476742)), ("new", (482975, 484519))):
+        for i, v in enumerate(toks, 1):
+            (tmp_path / f"{arm}-{i}.log").write_text(
+                f"kiln     bf16      {v} tok/s    7.36 GiB loss 10.817 -> 3.085 (44 s)\\n"
+                "         GEMM tuning: {'plans_tuned': 0}\\n| kiln | bf16 | 1 | nan |\\n")
+            runs.append({"arm": arm, "run": i, "log": f"{arm}-{i}.log"})
+    (tmp_path / "runs.json").write_text(json.dumps({"arms": arms, "runs": runs}))
+    lines = ab.table(tmp_path).splitlines()
+    assert lines[0] == "tokens/s; base = aaa, new = bbb"
+    assert lines[2].split() == ["kiln", "bf16", "476556", "476742", "482975", "484519", "476649", "483747", "1.015"]
