@@ -44,17 +44,22 @@ def test_every_arm_runs_its_own_tree_interleaved(repo, tmp_path):
     assert not (tmp_path / "work" / "HEAD" / "benchmarks" / "results").exists()  # results stay home
 
 
-def test_the_table_has_every_run_the_medians_and_the_ratios(tmp_path):
-    ab = load_benchmark("ab")
+def _logs(folder, figures, log_text):
+    """runs.json of arms base (aaa) and new (bbb), and a log a run: figures {arm: (run 1's, run 2's)}."""
     arms = [{"name": "base", "commit": "aaa"}, {"name": "new", "commit": "bbb"}]
     runs = []
-    for arm, ms in (("base", (1.0, 1.2)), ("new", (0.5, 0.7))):
-        for i, v in enumerate(ms, 1):
-            (tmp_path / f"{arm}-{i}.log").write_text(
-                "B x H x T x D      op       dtype     fwd          bwd      kiln ms   sdpa ms ...\n"
-                f"2x12x16384x64      fwd      bfloat16  tma-pingpong -          {v:.3f}     1.926    321.4    428.1   0.75x\n")
+    for arm, values in figures.items():
+        for i, v in enumerate(values, 1):
+            (folder / f"{arm}-{i}.log").write_text(log_text(v))
             runs.append({"arm": arm, "run": i, "log": f"{arm}-{i}.log"})
-    (tmp_path / "runs.json").write_text(json.dumps({"arms": arms, "runs": runs}))
+    (folder / "runs.json").write_text(json.dumps({"arms": arms, "runs": runs}))
+
+
+def test_the_table_has_every_run_the_medians_and_the_ratios(tmp_path):
+    ab = load_benchmark("ab")
+    _logs(tmp_path, {"base": (1.0, 1.2), "new": (0.5, 0.7)}, lambda v: (
+        "B x H x T x D      op       dtype     fwd          bwd      kiln ms   sdpa ms ...\n"
+        f"2x12x16384x64      fwd      bfloat16  tma-pingpong -          {v:.3f}     1.926    321.4    428.1   0.75x\n"))
     lines = ab.table(tmp_path).splitlines()
     assert lines[0] == "kiln ms; base = aaa, new = bbb"
     row = lines[2].split()
@@ -79,15 +84,9 @@ def test_an_arm_may_carry_settings_for_its_runs(repo, tmp_path):
 
 def test_the_table_reads_gpt2_step_tokens_per_second(tmp_path):
     ab = load_benchmark("ab")
-    arms = [{"name": "base", "commit": "aaa"}, {"name": "new", "commit": "bbb"}]
-    runs = []
-    for arm, toks in (("base", (476556, 476742)), ("new", (482975, 484519))):
-        for i, v in enumerate(toks, 1):
-            (tmp_path / f"{arm}-{i}.log").write_text(
-                f"kiln     bf16      {v} tok/s    7.36 GiB loss 10.817 -> 3.085 (44 s)\\n"
-                "         GEMM tuning: {'plans_tuned': 0}\\n| kiln | bf16 | 1 | nan |\\n")
-            runs.append({"arm": arm, "run": i, "log": f"{arm}-{i}.log"})
-    (tmp_path / "runs.json").write_text(json.dumps({"arms": arms, "runs": runs}))
+    _logs(tmp_path, {"base": (476556, 476742), "new": (482975, 484519)}, lambda v: (
+        f"kiln     bf16      {v} tok/s    7.36 GiB loss 10.817 -> 3.085 (44 s)\n"
+        "         GEMM tuning: {'plans_tuned': 0}\n| kiln | bf16 | 1 | nan |\n"))
     lines = ab.table(tmp_path).splitlines()
     assert lines[0] == "tokens/s; base = aaa, new = bbb"
     assert lines[2].split() == ["kiln", "bf16", "476556", "476742", "482975", "484519", "476649", "483747", "1.015"]
