@@ -143,24 +143,16 @@ def linear_fwd(x, weight, bias):
 _no_gelu_epilogue: set = set()  # (dtype, m, n, k) where cuBLASLt offered no GELU_AUX_BIAS algorithm
 
 
-def _gelu_epilogue_ok(dtype) -> bool:
-    """Whether a GEMM of these operands may apply cuBLASLt's GELU (or its derivative) in its epilogue: bf16 and
-    fp16, and fp32 under tf32 products, where the epilogue GELU's ~1e-3 approximation is the products' own
-    precision; strict fp32 keeps kiln's exact GELU kernels."""
-    name = np.dtype(dtype).name
-    return name in ("bfloat16", "float16") or (name == "float32" and cublaslt.get_matmul_precision() == "tf32")
-
-
 def linear_gelu_fwd(x, weight, bias):
-    """(gelu(pre), pre) for pre = x @ weight^T + bias. In bf16/fp16, and fp32 under tf32, one GEMM writes both
-    (cuBLASLt's GELU_AUX_BIAS epilogue: no GELU pass over the [N, 4C] activations); strict fp32 keeps kiln's
-    exact GELU kernel (cuBLASLt's GELU is a ~1e-3 approximation) after the GEMM (_gelu_epilogue_ok)."""
+    """(gelu(pre), pre) for pre = x @ weight^T + bias. In bf16/fp16 one GEMM writes both (cuBLASLt's
+    GELU_AUX_BIAS epilogue: no GELU pass over the [N, 4C] activations); fp32 keeps kiln's exact GELU
+    kernel (cuBLASLt's GELU is a ~1e-3 approximation) after the GEMM."""
     from kiln.backend.cuda.gelu import gelu_fwd
     cp = rt.cupy()
     n_rows, k = x.shape
     n_out = weight.shape[0]
     key = (np.dtype(x.dtype).name, n_rows, n_out, k)
-    if bias is None or not _gelu_epilogue_ok(x.dtype) or not _gemm_dtype(x, weight, bias) \
+    if bias is None or np.dtype(x.dtype).name not in ("bfloat16", "float16") or not _gemm_dtype(x, weight, bias) \
             or n_rows == 0 or k == 0 or key in _no_gelu_epilogue:
         pre = linear_fwd(x, weight, bias)
         return gelu_fwd(pre), pre
@@ -184,18 +176,17 @@ _no_dgelu_epilogue: set = set()  # (dtype, m, n, k) where cuBLASLt offered no DG
 def linear_gelu_bwd(grad, pre, weight, need_db, param_grad_dtype=None):
     """(dpre, dbias) for y = gelu(pre) @ weight^T (+ b): dpre = (grad @ weight) * gelu'(pre), dbias = dpre's
     column sums (None unless need_db: the bias gradient of the layer that made pre, _bias_grad) in
-    param_grad_dtype (default pre's). In bf16/fp16, and fp32 under tf32, the GELU's backward rides in the GEMM
-    (cuBLASLt's DGELU epilogue, its GELU derivative the ~1e-3 approximation its forward's GELU_AUX_BIAS is): no
-    [N, in] gradient of the GELU's output is written and read again. Strict fp32 keeps kiln's exact GELU kernels
-    after the GEMM (_gelu_epilogue_ok). (DGELU_BGRAD, dbias in the same GEMM, found no algorithm for an fp32
-    bias gradient under bf16 operands on the H100: its heuristic answered INVALID_VALUE,
-    device-check-2026-12-07-h100-s15.)"""
+    param_grad_dtype (default pre's). In bf16/fp16 the GELU's backward rides in the GEMM (cuBLASLt's DGELU
+    epilogue, its GELU derivative the ~1e-3 approximation its forward's GELU_AUX_BIAS is): no [N, in]
+    gradient of the GELU's output is written and read again. fp32 keeps kiln's exact GELU kernels after the
+    GEMM. (DGELU_BGRAD, dbias in the same GEMM, found no algorithm for an fp32 bias gradient under bf16
+    operands on the H100: its heuristic answered INVALID_VALUE, device-check-2026-12-07-h100-s15.)"""
     cp = rt.cupy()
     n_rows, n_out = grad.shape
     n_in = weight.shape[1]
     pdtype = np.dtype(pre.dtype if param_grad_dtype is None else param_grad_dtype)
     key = (np.dtype(pre.dtype).name, n_rows, n_in, n_out)
-    if not _gelu_epilogue_ok(pre.dtype) or not _gemm_dtype(grad, weight, pre) \
+    if np.dtype(pre.dtype).name not in ("bfloat16", "float16") or not _gemm_dtype(grad, weight, pre) \
             or pre.shape != (n_rows, n_in) or pdtype.name not in ("float32", np.dtype(pre.dtype).name) \
             or n_rows == 0 or n_out == 0 or n_in == 0 or key in _no_dgelu_epilogue:
         return _linear_gelu_bwd_unfused(grad, pre, weight, need_db, pdtype)
