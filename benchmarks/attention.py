@@ -47,7 +47,9 @@ SHAPES = [  # (B, H, T, D)
     (4, 32, 2048, 128),
     (2, 16, 8192, 128),
 ]
-DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
+# tf32: float32 operands with the products in tf32 on both sides (kiln's matmul precision "tf32": its *_tf32
+# kernels; torch.backends.cuda.matmul.allow_tf32 for PyTorch, whose fp32 SDPA kernel is the same either way)
+DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32), "tf32": np.dtype(np.float32)}
 OPS = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -198,10 +200,12 @@ def main(argv=None) -> int:
     print(f"{'B x H x T x D':18s} {'op':8s} {'dtype':9s} {'fwd':12s} {'bwd':6s} {'kiln ms':>9s} {'sdpa ms':>9s} {'kiln':>8s} {'sdpa':>8s} "
           f"{'ratio':>7s}  (TFLOP/s; ratio = sdpa ms / kiln ms)")
     rows = []
-    for name in args.dtypes.split(","):
+    for name in (n.strip() for n in args.dtypes.split(",")):
+        k.set_matmul_precision("tf32" if name == "tf32" else "fp32")
+        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
         for shape in shapes:
-            rows += bench_shape(k, shape, DTYPES[name.strip()], args.iters, args.fwd.split(","), args.bwd.split(","),
-                                ops)
+            rows += [dict(r, dtype=name) if name == "tf32" else r for r in
+                     bench_shape(k, shape, DTYPES[name], args.iters, args.fwd.split(","), args.bwd.split(","), ops)]
     path = write_rows("attention", torch, args, rows)
     plot(json.loads(path.read_text()), path.with_suffix(".png"))
     return 0

@@ -642,3 +642,84 @@ def test_attention_fwd_tma_of_no_query_rows_is_empty(gpu, rng, tma):
     k, v = (gpu.asarray(rand((2, 3, 5, 64), ml_dtypes.bfloat16, rng)) for _ in range(2))
     out, lse = gpu.attention_fwd(gpu.asarray(np.zeros((2, 3, 0, 64), ml_dtypes.bfloat16)), k, v, 0.125)
     assert out.shape == (2, 3, 0, 64) and lse.shape == (2, 3, 0)
+
+
+# --- float32 under tf32 products (matmul precision "tf32": the *_tf32 kernels) ---------------------
+
+TF32_FWD, TF32_BWD = 2e-3, 5e-3  # ||gpu - ref|| / ||ref|| against the fp64 CPU reference: tf32 operands
+
+
+@pytest.fixture
+def tf32(gpu):
+    """The cuda backend with its matmul precision "tf32" (conftest sets "fp32" back after every test)."""
+    gpu.set_matmul_precision("tf32")
+    return gpu
+
+
+def _tf32_case(gpu, rng, q_shape, k_shape, causal=True, offset=0):
+    """The tf32 forward and backward against the CPU reference, and against the strict fp32 kernels: not their
+    bits (the products did round to tf32)."""
+    q, g = (rand(q_shape, np.float32, rng) for _ in range(2))
+    k, v = (rand(k_shape, np.float32, rng) for _ in range(2))
+    scale = 1.0 / math.sqrt(q_shape[-1])
+    args = [gpu.asarray(a) for a in (q, k, v)]
+    out, lse = gpu.attention_fwd(*args, scale, causal=causal, offset=offset)
+    rout, rlse = cpu.attention_fwd(f64(q), f64(k), f64(v), scale, causal=causal, offset=offset)
+    assert rel(gpu.to_numpy(out), rout) < TF32_FWD
+    assert rel(gpu.to_numpy(lse), rlse) < TF32_FWD
+    grads = gpu.attention_bwd(gpu.asarray(g), *args, out, lse, scale, causal=causal, offset=offset)
+    refs = cpu.attention_bwd(f64(g), f64(q), f64(k), f64(v), f64(gpu.to_numpy(out)), f64(gpu.to_numpy(lse)), scale,
+                             causal=causal, offset=offset)
+    for got, ref in zip(grads, refs):
+        assert rel(gpu.to_numpy(got), ref) < TF32_BWD
+    gpu.set_matmul_precision("fp32")
+    strict, _ = gpu.attention_fwd(*args, scale, causal=causal, offset=offset)
+    gpu.set_matmul_precision("tf32")
+    assert rel(gpu.to_numpy(strict), rout) < 1e-5 < rel(gpu.to_numpy(out), rout)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(1, 1, 3, 64), (2, 3, 65, 64), (1, 2, 200, 128), (1, 1, 33, 32), (4, 12, 256, 64),
+                                   pytest.param((4, 12, 1024, 64), marks=pytest.mark.slow),
+                                   pytest.param((1, 2, 2048, 128), marks=pytest.mark.slow)])
+def test_attention_under_tf32_matches_the_cpu_reference(tf32, rng, shape):
+    _tf32_case(tf32, rng, shape, shape)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_attention_under_tf32_blocks_of_other_lengths_and_offsets(tf32, rng, block, d):
+    tq, tk, causal, offset = block
+    _tf32_case(tf32, rng, (2, 3, tq, d), (2, 3, tk, d), causal, offset)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_attention_under_tf32_reads_packed_views_and_is_bitwise_repeatable(tf32, rng, d):
+    """q, k, v as views of one [B, T, 3, H, D] buffer, dq, dk, dv written into views of one packed gradient:
+    the same bits as contiguous operands give, and as a second run gives."""
+    gpu, xp, b, h, t = tf32, tf32.xp, 2, 3, 130
+    qkv = gpu.asarray(rand((b, t, 3, h, d), np.float32, rng))
+    g = gpu.asarray(rand((b, t, h, d), np.float32, rng)).transpose(0, 2, 1, 3)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    runs = []
+    for packed in (True, True, False):
+        args = (q, k, v) if packed else tuple(xp.ascontiguousarray(a) for a in (q, k, v))
+        out, lse = gpu.attention_fwd(*args, 0.125)
+        dqkv = xp.zeros((b, t, 3, h, d), dtype=xp.float32)
+        into = tuple(dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)) if packed else None
+        grads = gpu.attention_bwd(g if packed else xp.ascontiguousarray(g), *args, out, lse, 0.125, into=into)
+        runs.append([gpu.to_numpy(a) for a in (out, lse, *grads)])
+    for other in runs[1:]:
+        for a, b_ in zip(runs[0], other):
+            assert np.array_equal(a.view(np.uint32), b_.view(np.uint32))
+
+
+def test_attention_tf32_kernels_shared_memory():
+    """The *_tf32 kernels' own 64 rows and one streamed tile (rows of D + 4 floats; dK/dV's tile with its lse
+    and delta) at head dims 32, 64 and 128: at most two blocks' worth of an SM's 227 KiB at D = 128."""
+    from kiln.backend.cuda.attention import tf32_shared_bytes
+    assert [[tf32_shared_bytes(k, d) for k in ("fwd", "dkdv", "dq")] for d in (32, 64, 128)] == \
+        [[27648, 37376, 36864], [52224, 70144, 69632], [67584, 101632, 101376]]
+    assert all(tf32_shared_bytes(k, d) <= 227 * 1024 // 2 for k in ("fwd", "dkdv", "dq") for d in (32, 64, 128))

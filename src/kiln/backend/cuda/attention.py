@@ -4,8 +4,10 @@ another length: full, or causal with an offset).
 
 q is [B, H, Tq, D] and k, v [B, H, Tk, D] with D in ATTENTION_HEAD_DIMS (compile-time
 specialised); other head dims and float64 run the CPU reference on a host copy. float32 runs on
-the CUDA cores (strict fp32, register-tiled, 64 threads per block); bfloat16 and float16 run the
-tensor-core kernels (`*_tc`: Hopper wgmma, fp32 accumulation), 64 query (or key) rows per block
+the CUDA cores (strict fp32, register-tiled, 64 threads per block), or, where the matmul precision is
+"tf32" (kiln's tf32 mode), on the TF32 tensor cores (`*_tf32`: mma.sync m16n8k8, operands rounded to tf32 as
+cuBLASLt's tf32 GEMMs round theirs, fp32 accumulation and softmax; 128 threads, 64 rows a block, the block's
+operands in dynamic shared memory); bfloat16 and float16 run the tensor-core kernels (`*_tc`: Hopper wgmma, fp32 accumulation), 64 query (or key) rows per block
 of one warpgroup (128 threads).
 
 The kernels take every operand as it lies in memory: a [B, H, T, D] view with any batch, head
@@ -61,6 +63,7 @@ import os
 from kiln.backend.cpu import attention as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, register_family
+from kiln.backend.cuda.cublaslt import get_matmul_precision
 from kiln.backend.cuda.launch import cdiv, cpu_fallback, ctype, f32, get_kernel, i32, i64
 from kiln.backend.cuda.tma import tile_map
 from kiln.errors import ConfigError, ShapeError
@@ -69,6 +72,8 @@ ATTENTION_HEAD_DIMS = (32, 64, 128)
 TC_ROWS = 64  # rows per block in every tensor-core kernel: one warpgroup, 4 warps x 16 (kTcRows)
 TC_THREADS = 128  # tensor-core kernels: one warpgroup (kAttnThreads)
 F32_THREADS = 64  # float32 kernels (kF32Threads)
+TF32_THREADS = 128  # float32 kernels under tf32 products: 4 warps x 16 rows (kTf32Threads, kTf32Rows)
+TF32_ROWS = 64
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
 BWD_VARIANTS = ("auto", "split", "fused-bulk", "split-tma")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
@@ -130,6 +135,7 @@ def _instantiations():
     for d in ATTENTION_HEAD_DIMS:
         out += [f"attention_fwd<float, {d}>", f"attention_bwd_dkdv<float, {d}>",
                 f"attention_bwd_dq<float, {d}>"]
+        out += [f"attention_{k}_tf32<{d}>" for k in ("fwd", "bwd_dkdv", "bwd_dq")]
         for t in FLOAT_CTYPES[1:]:
             out += [f"attention_fwd_tc<{t}, {d}>", f"attention_bwd_dkdv_tc<{t}, {d}>",
                     f"attention_bwd_dq_tc<{t}, {d}>"]
@@ -145,6 +151,7 @@ def _instantiations():
 
 register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_TC_ROWS": TC_ROWS, "KILN_ATTN_TC_THREADS": TC_THREADS, "KILN_ATTN_F32_THREADS": F32_THREADS,
+    "KILN_ATTN_TF32_THREADS": TF32_THREADS,
     "KILN_ATTN_DKDV_Q": DKDV_Q[64], "KILN_ATTN_DKDV_Q_D128": DKDV_Q[128],
     "KILN_ATTN_FUSED_Q": FUSED_Q[64], "KILN_ATTN_FUSED_Q_D128": FUSED_Q[128],
     "KILN_ATTN_DKDV_BLOCKS": DKDV_TILES[64][1], "KILN_ATTN_DKDV_BLOCKS_D128": DKDV_TILES[128][1],
@@ -222,6 +229,25 @@ def _group(tc: bool, n_bh: int, n_blocks: int) -> tuple:
 
 def _tensor_cores(t: str) -> bool:
     return t != "float"
+
+
+def _tf32(t: str) -> bool:
+    """float32 operands whose products may round to tf32 (matmul precision "tf32"): the `*_tf32` kernels."""
+    return t == "float" and get_matmul_precision() == "tf32"
+
+
+def tf32_tile(d: int) -> int:
+    """The `*_tf32` kernels' streamed rows a tile (Tf32Shape::BN)."""
+    return 64 if d <= 64 else 32
+
+
+def tf32_shared_bytes(kernel: str, d: int) -> int:
+    """Dynamic shared memory of a `*_tf32` kernel ("fwd", "dkdv" or "dq"): the block's TF32_ROWS rows of its
+    own operands (Q; K and V; Q and dO) and one streamed tile of the others (K and V; Q and dO with their
+    lse and delta; K and V), rows of d + 4 floats."""
+    row, bn = 4 * (d + 4), tf32_tile(d)
+    own = {"fwd": 1, "dkdv": 2, "dq": 2}[kernel]
+    return own * TF32_ROWS * row + 2 * bn * row + (2 * bn * 4 if kernel == "dkdv" else 0)
 
 
 def block_rows(d: int) -> tuple[int, int, int]:
@@ -365,13 +391,17 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
                  i32(head_group(b * h, cdiv(n_q, TMA_ROWS), sms)), f32(scale), *_args(_strides(out))),
                 shared_mem=tma_shared_bytes(d))
             return out, lse
+    shared = 0
     if tc:
         name, bq, threads = f"attention_fwd_tc<{t}, {d}>", TC_ROWS, TC_THREADS
+    elif _tf32(t):
+        name, bq, threads, shared = f"attention_fwd_tf32<{d}>", TF32_ROWS, TF32_THREADS, tf32_shared_bytes("fwd", d)
     else:
         name, bq, threads = f"attention_fwd<{t}, {d}>", block_rows(d)[0], F32_THREADS
     get_kernel("attention.cu", name)((cdiv(n_q, bq), b * h), (threads,),
                                      (q, k, v, out, lse, i32(n_q), i32(n_k), i32(off), i32(h), f32(scale),
-                                      *_args(qs, kvs, _strides(out)), *_group(tc, b * h, cdiv(n_q, bq))))
+                                      *_args(qs, kvs, _strides(out)), *_group(tc, b * h, cdiv(n_q, bq))),
+                                     shared_mem=shared)
     return out, lse
 
 
@@ -431,6 +461,12 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
             get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}>")(
                 (cdiv(acc.size // 4, 256),), (256,), (acc, dq, i64(acc.size), i32(n_q), i32(h), f32(scale),
                                                      *_args(dqs)))
+        return _fill(into, (dq, dk, dv))
+    if _tf32(t):
+        for kernel, n, outs, strides in (("dkdv", n_k, (dk, dv), dkvs), ("dq", n_q, (dq,), dqs)):
+            get_kernel("attention.cu", f"attention_bwd_{kernel}_tf32<{d}>")(
+                (cdiv(n, TF32_ROWS), b * h), (TF32_THREADS,),
+                (q, k, v, grad, lse, delta, *outs, *common, *_args(strides)), shared_mem=tf32_shared_bytes(kernel, d))
         return _fill(into, (dq, dk, dv))
     if tc:
         suffix, bk, bq, threads = "_tc", TC_ROWS, TC_ROWS, TC_THREADS

@@ -153,12 +153,13 @@ __device__ __forceinline__ float ng_sum(float v) {
 }
 
 // Starts copying rows [r0, r0 + R) of a [n_t, D] fp32 matrix with row stride ld (16-byte aligned
-// rows) into dst[R][LD] (zeros past n_t); the caller commits the group.
-template <int R, int D, int LD>
+// rows) into dst[R][LD] (zeros past n_t), the block's THREADS threads sharing the work; the caller
+// commits the group.
+template <int R, int D, int LD, int THREADS = kF32Threads>
 __device__ __forceinline__ void f32_rows_async(float* dst, const float* __restrict__ src, int ld, int r0, int n_t) {
     constexpr int CH = D / 4;                // 16-byte chunks per row
-    constexpr int RP = kF32Threads / CH;     // rows per pass of the block
-    static_assert(kF32Threads % CH == 0 && R % RP == 0, "tile chunks must divide among the threads");
+    constexpr int RP = THREADS / CH;         // rows per pass of the block
+    static_assert(THREADS % CH == 0 && R % RP == 0, "tile chunks must divide among the threads");
     const int r = threadIdx.x / CH, c = (threadIdx.x % CH) * 4;
     const float* p = src + ((r0 + r) * ld + c);
     const u32 d = smem_addr(dst + r * LD + c);
@@ -170,9 +171,9 @@ __device__ __forceinline__ void f32_rows_async(float* dst, const float* __restri
 }
 
 // The same for R floats [r0, r0 + R) of a vector.
-template <int R>
+template <int R, int THREADS = kF32Threads>
 __device__ __forceinline__ void f32_vec_async(float* dst, const float* __restrict__ src, int r0, int n_t) {
-    for (int i = threadIdx.x; i < R; i += kF32Threads) {
+    for (int i = threadIdx.x; i < R; i += THREADS) {
         const bool ok = r0 + i < n_t;
         cp_async4(smem_addr(dst + i), src + (ok ? r0 + i : 0), ok);
     }
@@ -2227,4 +2228,311 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         kv += jb.n_tiles;
         frag_store<T, D>(dq + head_offset(jb.bh, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, scale, scale);
     }
+}
+
+// ---- float32 under tf32 products: mma.sync m16n8k8 on the TF32 tensor cores ----------------------
+//
+// In kiln's tf32 mode (matmul precision "tf32") attention's products are matmuls like every GEMM of the
+// step, so they take the TF32 tensor cores as cuBLASLt's FAST_TF32 GEMMs do: operands rounded to tf32
+// (cvt.rna, a 10-bit mantissa), fp32 accumulation; the softmax, lse and delta stay fp32. Strict fp32 keeps
+// the CUDA-core kernels above. 128 threads (4 warps) a block; a warp owns 16 rows (queries in the forward
+// and dQ, keys in dK/dV) and walks the streamed tiles of BN rows of the other side. The block's own rows
+// and the current tile lie in dynamic shared memory, rows of LD = D + 4 floats (LD % 32 == 4: every
+// fragment read below is free of bank conflicts). Each output element is one thread's, summed in a fixed
+// order: deterministic, as the other kernels.
+// Fragments (PTX ISA, mma.m16n8k8 .tf32; g = lane / 4, c = lane % 4): A (16 x 8, row-major) a0 (g, c),
+// a1 (g + 8, c), a2 (g, c + 4), a3 (g + 8, c + 4); B (8 x 8, k x n) b0 (c, g), b1 (c + 4, g); C (16 x 8)
+// c0 (g, 2c), c1 (g, 2c + 1), c2 (g + 8, 2c), c3 (g + 8, 2c + 1). A product whose left operand is a C
+// fragment (P·V, Pᵀ·dO, dSᵀ·Q, dS·K) takes it as it lies: reduction index c stands for column 2c of the
+// 8 and c + 4 for column 2c + 1 (a0 = c0, a1 = c2, a2 = c1, a3 = c3), and the right operand's rows are read
+// in that order (b0 from row 2c, b1 from row 2c + 1): no shuffles.
+
+constexpr int kTf32Threads = KILN_ATTN_TF32_THREADS;  // 4 warps x 16 rows
+constexpr int kTf32Rows = 4 * 16;                     // the block's own rows
+
+template <int D> struct Tf32Shape {
+    static constexpr int BN = D <= 64 ? 64 : 32;  // streamed rows a tile (attention.py's TF32_TILE)
+    static constexpr int LD = D + 4;              // floats a row in shared memory
+    static_assert(LD % 32 == 4, "conflict-free fragment reads");
+};
+
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// acc (16 x N, N / 8 C fragments) += A·Bᵀ, the reduction over K: A the warp's 16 rows and B N rows, both
+// row-major in shared memory (row stride LD), offset to their first row.
+template <int N, int K, int LD>
+__device__ __forceinline__ void tf32_mma_abt(float (&acc)[N / 8][4], const float* A, const float* B, int g, int c) {
+#pragma unroll
+    for (int k = 0; k < K; k += 8) {
+        const float* a = A + g * LD + k + c;
+        const u32 af[4] = {to_tf32(a[0]), to_tf32(a[8 * LD]), to_tf32(a[4]), to_tf32(a[8 * LD + 4])};
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+            const float* b = B + (8 * j + g) * LD + k + c;
+            mma_tf32(acc[j], af, to_tf32(b[0]), to_tf32(b[4]));
+        }
+    }
+}
+
+// acc (16 x E) += P·B, the reduction over N: P the warp's C fragments (16 x N), B N rows of E columns
+// row-major in shared memory (row stride LD).
+template <int N, int E, int LD>
+__device__ __forceinline__ void tf32_mma_pb(float (&acc)[E / 8][4], const float (&p)[N / 8][4], const float* B, int g,
+                                            int c) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const u32 af[4] = {to_tf32(p[j][0]), to_tf32(p[j][2]), to_tf32(p[j][1]), to_tf32(p[j][3])};
+        const float* b = B + (8 * j + 2 * c) * LD + g;
+#pragma unroll
+        for (int e = 0; e < E / 8; ++e) mma_tf32(acc[e], af, to_tf32(b[8 * e]), to_tf32(b[LD + 8 * e]));
+    }
+}
+
+// Rows row0 + g and row0 + g + 8 of acc (16 x D) times mul_lo / mul_hi, where row < n, two floats a store.
+template <int D>
+__device__ __forceinline__ void tf32_store(float* __restrict__ dst, int ld, const float (&acc)[D / 8][4], int row0,
+                                           int n, int g, int c, float mul_lo, float mul_hi) {
+    const int r_lo = row0 + g, r_hi = r_lo + 8;
+#pragma unroll
+    for (int e = 0; e < D / 8; ++e) {
+        const int col = 8 * e + 2 * c;
+        if (r_lo < n) *reinterpret_cast<float2*>(dst + (r_lo * ld + col)) = make_float2(acc[e][0] * mul_lo, acc[e][1] * mul_lo);
+        if (r_hi < n) *reinterpret_cast<float2*>(dst + (r_hi * ld + col)) = make_float2(acc[e][2] * mul_hi, acc[e][3] * mul_hi);
+    }
+}
+
+// Forward: a block owns 64 query rows of one (b, h), the longest first, and walks the K/V tiles up to the
+// last key its last row sees. K(t + 1) lands while P·V(t) runs and V(t + 1) while S(t + 1) does.
+template <int D>
+__global__ void __launch_bounds__(kTf32Threads)
+    attention_fwd_tf32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                       float* __restrict__ out, float* __restrict__ lse, int n_q, int n_k, int off, int n_h, float scale,
+                       KILN_LAYOUT(q), KILN_LAYOUT(kv), KILN_LAYOUT(o)) {
+    using S = Tf32Shape<D>;
+    constexpr int BN = S::BN, LD = S::LD, BQ = kTf32Rows;
+    extern __shared__ __align__(16) float tf32_smem[];
+    float* Qs = tf32_smem;    // [BQ][LD]
+    float* Ks = Qs + BQ * LD;  // [BN][LD]
+    float* Vs = Ks + BN * LD;  // [BN][LD]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh);
+    const float* kb = k + base;
+    const float* vb = v + base;
+    const int ld = (int)kv_st;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
+    const int row0 = q0 + 16 * warp;                    // the warp's first row
+    const int k_end = min(n_k, min(q0 + BQ, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    f32_rows_async<BQ, D, LD, kTf32Threads>(Qs, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, q0, n_q);
+    f32_rows_async<BN, D, LD, kTf32Threads>(Ks, kb, ld, 0, n_k);
+    cp_async_commit();
+    f32_rows_async<BN, D, LD, kTf32Threads>(Vs, vb, ld, 0, n_k);
+    cp_async_commit();
+    const float sl2 = scale * kF32Log2e;  // scores in log2 units
+    float m_lo = -KILN_INF, m_hi = -KILN_INF, l_lo = 0.0f, l_hi = 0.0f, o[D / 8][4], s[BN / 8][4];
+    zero_acc(o);
+    for (int t = 0; t < n_tiles; ++t) {
+        const int k0 = t * BN;
+        cp_async_wait_group<1>();  // Q and K(t) have landed (V(t) may still be in flight)
+        __syncthreads();           // ... for everyone
+        // A warp whose rows all precede this tile's keys skips it; every warp takes tile 0 (key 0 is
+        // seen by every row), so m is finite from then on.
+        const bool active = k0 <= row0 + 15 + off;
+        if (active) {
+            zero_acc(s);
+            tf32_mma_abt<BN, D, LD>(s, Qs + 16 * warp * LD, Ks, g, c);
+            float a_lo, a_hi;
+            tma_softmax_tile<BN>(s, k0, row0, row0 + g, row0 + g + 8, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo,
+                                 a_hi);
+#pragma unroll
+            for (int e = 0; e < D / 8; ++e) {
+                o[e][0] *= a_lo;
+                o[e][1] *= a_lo;
+                o[e][2] *= a_hi;
+                o[e][3] *= a_hi;
+            }
+        }
+        cp_async_wait_group<0>();  // V(t) has landed
+        __syncthreads();           // ... for everyone; everyone is done with Ks
+        if (t + 1 < n_tiles) {
+            f32_rows_async<BN, D, LD, kTf32Threads>(Ks, kb, ld, k0 + BN, n_k);
+            cp_async_commit();
+        }
+        if (active) tf32_mma_pb<BN, D, LD>(o, s, Vs, g, c);
+        __syncthreads();  // everyone is done with Vs
+        if (t + 1 < n_tiles) {
+            f32_rows_async<BN, D, LD, kTf32Threads>(Vs, vb, ld, k0 + BN, n_k);
+            cp_async_commit();
+        }
+    }
+#pragma unroll
+    for (int o_ = 1; o_ <= 2; o_ <<= 1) {  // the quad's parts of the row sums
+        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o_);
+        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o_);
+    }
+    tf32_store<D>(out + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, o, row0, n_q, g, c, 1.0f / l_lo,
+                  1.0f / l_hi);
+    float* const lrow = lse + (long long)blockIdx.y * n_q;
+    if (c == 0 && row0 + g < n_q) lrow[row0 + g] = (m_lo + log2f(l_lo)) * kF32Ln2;
+    if (c == 0 && row0 + g + 8 < n_q) lrow[row0 + g + 8] = (m_hi + log2f(l_hi)) * kF32Ln2;
+}
+
+// dK and dV: a block owns 64 keys (a warp 16), the first keys (seen by the most queries) launched first, and
+// walks the query tiles that see them: Sᵀ = K·Qᵀ -> Pᵀ, dPᵀ = V·dOᵀ -> dSᵀ = Pᵀ∘(dPᵀ - delta), then
+// dV += Pᵀ·dO and dK += dSᵀ·Q, all in the warp's registers.
+template <int D>
+__global__ void __launch_bounds__(kTf32Threads) attention_bwd_dkdv_tf32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ grad, const float* __restrict__ lse, const float* __restrict__ delta,
+    float* __restrict__ dk, float* __restrict__ dv, int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q),
+    KILN_LAYOUT(kv), KILN_LAYOUT(o), KILN_LAYOUT(dkv)) {
+    using S = Tf32Shape<D>;
+    constexpr int BN = S::BN, LD = S::LD, BK = kTf32Rows;
+    extern __shared__ __align__(16) float tf32_smem[];
+    float* Ks = tf32_smem;     // [BK][LD]
+    float* Vs = Ks + BK * LD;  // [BK][LD]
+    float* Qs = Vs + BK * LD;  // [BN][LD]
+    float* Gs = Qs + BN * LD;  // [BN][LD]
+    float* Ls = Gs + BN * LD;  // [BN]
+    float* Ds = Ls + BN;       // [BN]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh), rbase = (long long)blockIdx.y * n_q;
+    const float* qb = q + head_offset(blockIdx.y, n_h, q_sb, q_sh);
+    const float* gb = grad + head_offset(blockIdx.y, n_h, o_sb, o_sh);
+    const int ld = (int)q_st, ldo = (int)o_st;
+    const int k0 = blockIdx.x * BK;
+    const int key0 = k0 + 16 * warp;                   // the warp's first key
+    const int q_begin = (max(k0 - off, 0) / BN) * BN;  // the first query tile that sees key k0
+    const int n_tiles = q_begin < n_q ? (n_q - q_begin + BN - 1) / BN : 0;
+    const float sl2 = scale * kF32Log2e;
+    f32_rows_async<BK, D, LD, kTf32Threads>(Ks, k + base, (int)kv_st, k0, n_k);
+    f32_rows_async<BK, D, LD, kTf32Threads>(Vs, v + base, (int)kv_st, k0, n_k);
+    if (n_tiles > 0) {
+        f32_rows_async<BN, D, LD, kTf32Threads>(Qs, qb, ld, q_begin, n_q);
+        f32_rows_async<BN, D, LD, kTf32Threads>(Gs, gb, ldo, q_begin, n_q);
+        f32_vec_async<BN, kTf32Threads>(Ls, lse + rbase, q_begin, n_q);
+        f32_vec_async<BN, kTf32Threads>(Ds, delta + rbase, q_begin, n_q);
+    }
+    cp_async_commit();
+    float dk_acc[D / 8][4], dv_acc[D / 8][4], st[BN / 8][4], dpt[BN / 8][4];
+    zero_acc(dk_acc);
+    zero_acc(dv_acc);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int i0 = q_begin + it * BN;
+        cp_async_wait_all();
+        __syncthreads();  // the query tile has landed for everyone (and K, V at it = 0)
+        // the warp's keys are seen by some query of the tile (and exist)
+        if (i0 + BN - 1 + off >= key0 && key0 < n_k) {
+            zero_acc(st);
+            zero_acc(dpt);
+            tf32_mma_abt<BN, D, LD>(st, Ks + 16 * warp * LD, Qs, g, c);
+            tf32_mma_abt<BN, D, LD>(dpt, Vs + 16 * warp * LD, Gs, g, c);
+            const bool edge = i0 + off < key0 + 15 || i0 + BN > n_q;  // some (key, query) pair is masked
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = 8 * j + 2 * c + (e & 1), query = i0 + qi, key = key0 + g + 8 * (e >> 1);
+                    float p = ex2(fmaf(st[j][e], sl2, -Ls[qi] * kF32Log2e));
+                    if (edge && !(key <= query + off && query < n_q)) p = 0.0f;
+                    st[j][e] = p;
+                    dpt[j][e] = p * (dpt[j][e] - Ds[qi]);
+                }
+            }
+            tf32_mma_pb<BN, D, LD>(dv_acc, st, Gs, g, c);
+            tf32_mma_pb<BN, D, LD>(dk_acc, dpt, Qs, g, c);
+        }
+        __syncthreads();  // everyone is done with this query tile
+        if (it + 1 < n_tiles) {
+            const int i1 = i0 + BN;
+            f32_rows_async<BN, D, LD, kTf32Threads>(Qs, qb, ld, i1, n_q);
+            f32_rows_async<BN, D, LD, kTf32Threads>(Gs, gb, ldo, i1, n_q);
+            f32_vec_async<BN, kTf32Threads>(Ls, lse + rbase, i1, n_q);
+            f32_vec_async<BN, kTf32Threads>(Ds, delta + rbase, i1, n_q);
+            cp_async_commit();
+        }
+    }
+    const long long dbase = head_offset(blockIdx.y, n_h, dkv_sb, dkv_sh);
+    tf32_store<D>(dk + dbase, (int)dkv_st, dk_acc, key0, n_k, g, c, scale, scale);
+    tf32_store<D>(dv + dbase, (int)dkv_st, dv_acc, key0, n_k, g, c, 1.0f, 1.0f);
+}
+
+// dQ: a block owns 64 queries (a warp 16), the longest first, and walks the K/V tiles they see:
+// S = Q·Kᵀ -> P, dP = dO·Vᵀ -> dS = P∘(dP - delta), then dQ += dS·K.
+template <int D>
+__global__ void __launch_bounds__(kTf32Threads) attention_bwd_dq_tf32(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ grad, const float* __restrict__ lse, const float* __restrict__ delta,
+    float* __restrict__ dq, int n_q, int n_k, int off, int n_h, float scale, KILN_LAYOUT(q), KILN_LAYOUT(kv),
+    KILN_LAYOUT(o), KILN_LAYOUT(dq)) {
+    using S = Tf32Shape<D>;
+    constexpr int BN = S::BN, LD = S::LD, BQ = kTf32Rows;
+    extern __shared__ __align__(16) float tf32_smem[];
+    float* Qs = tf32_smem;     // [BQ][LD]
+    float* Gs = Qs + BQ * LD;  // [BQ][LD]
+    float* Ks = Gs + BQ * LD;  // [BN][LD]
+    float* Vs = Ks + BN * LD;  // [BN][LD]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const long long base = head_offset(blockIdx.y, n_h, kv_sb, kv_sh), rbase = (long long)blockIdx.y * n_q;
+    const float* kb = k + base;
+    const float* vb = v + base;
+    const int ld = (int)kv_st;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows first
+    const int row0 = q0 + 16 * warp;
+    const int r_lo = row0 + g, r_hi = r_lo + 8;
+    const int k_end = min(n_k, min(q0 + BQ, n_q) - 1 + off + 1);  // keys some row of the block sees
+    const int n_tiles = (k_end - 1) / BN + 1;
+    f32_rows_async<BQ, D, LD, kTf32Threads>(Qs, q + head_offset(blockIdx.y, n_h, q_sb, q_sh), (int)q_st, q0, n_q);
+    f32_rows_async<BQ, D, LD, kTf32Threads>(Gs, grad + head_offset(blockIdx.y, n_h, o_sb, o_sh), (int)o_st, q0, n_q);
+    f32_rows_async<BN, D, LD, kTf32Threads>(Ks, kb, ld, 0, n_k);
+    f32_rows_async<BN, D, LD, kTf32Threads>(Vs, vb, ld, 0, n_k);
+    cp_async_commit();
+    const float sl2 = scale * kF32Log2e;
+    const float lq_lo = r_lo < n_q ? lse[rbase + r_lo] * kF32Log2e : 0.0f;
+    const float lq_hi = r_hi < n_q ? lse[rbase + r_hi] * kF32Log2e : 0.0f;
+    const float dl_lo = r_lo < n_q ? delta[rbase + r_lo] : 0.0f;
+    const float dl_hi = r_hi < n_q ? delta[rbase + r_hi] : 0.0f;
+    float dq_acc[D / 8][4], s[BN / 8][4], dp[BN / 8][4];
+    zero_acc(dq_acc);
+    for (int t = 0; t < n_tiles; ++t) {
+        const int k0 = t * BN;
+        cp_async_wait_all();
+        __syncthreads();  // the key/value tile has landed for everyone (and Q, dO at t = 0)
+        if (k0 <= row0 + 15 + off) {  // some row of the warp sees some key of the tile
+            zero_acc(s);
+            zero_acc(dp);
+            tf32_mma_abt<BN, D, LD>(s, Qs + 16 * warp * LD, Ks, g, c);
+            tf32_mma_abt<BN, D, LD>(dp, Gs + 16 * warp * LD, Vs, g, c);
+            const bool edge = k0 + BN - 1 > row0 + off || k0 + BN > n_k;  // some key hidden from some row
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + 8 * j + 2 * c + (e & 1), row = e < 2 ? r_lo : r_hi;
+                    float p = ex2(fmaf(s[j][e], sl2, -(e < 2 ? lq_lo : lq_hi)));
+                    if (edge && (key > row + off || key >= n_k)) p = 0.0f;
+                    s[j][e] = p * (dp[j][e] - (e < 2 ? dl_lo : dl_hi));
+                }
+            }
+            tf32_mma_pb<BN, D, LD>(dq_acc, s, Ks, g, c);
+        }
+        __syncthreads();  // everyone is done with this tile
+        if (t + 1 < n_tiles) {
+            f32_rows_async<BN, D, LD, kTf32Threads>(Ks, kb, ld, k0 + BN, n_k);
+            f32_rows_async<BN, D, LD, kTf32Threads>(Vs, vb, ld, k0 + BN, n_k);
+            cp_async_commit();
+        }
+    }
+    tf32_store<D>(dq + head_offset(blockIdx.y, n_h, dq_sb, dq_sh), (int)dq_st, dq_acc, row0, n_q, g, c, scale, scale);
 }
