@@ -44,6 +44,8 @@
 # attention-ncu (issue 14: Nsight Compute's full set on one call of each attention kernel, kiln's forward, split-tma, split and
 # fused-bulk backwards and SDPA's, at the GPT-2 shape: benchmarks/attention_ncu.py; the report, its details page,
 # its per-SASS-instruction page and their digest by benchmarks/ncu_summary.py, ~1 min),
+# tf32-attention (issue 14's tf32 row: the *_tf32 attention kernels' tests, benchmarks/attention.py tf32 and fp32 against
+# SDPA, the tf32 step with eager and compile and its kernel tables, ~5 min; s16's call 2 ran these three commands),
 # compiler (the device's NVRTC version, and tests/test_kernel_compile.py under it, one line a test: CI compiles with
 # the nvidia-cuda-nvrtc wheel (13.5 on 2026-12-07), whose ptxas allocates registers otherwise: that day the
 # device's failed the spill test of attention.cu and random.cu, which CI's passes, ~2 min).
@@ -168,6 +170,12 @@ for p in "$@"; do
         compiler) part nvrtc-version 30 python3 -c "from kiln.backend.cuda import compiler; \
                       print('NVRTC', compiler._nvrtc_version())" &&
                   part kernel-compile-tests 300 python3 -m pytest -v -p no:cacheprovider tests/test_kernel_compile.py ;;
+        tf32-attention) part tf32-attention-tests 200 python3 -m pytest -v -p no:cacheprovider -m cuda \
+                            tests/test_op_attention.py -k "tf32 or test_attention_is_bitwise or test_context_parallel"
+                        part attention-tf32 150 python3 benchmarks/attention.py --dtypes tf32,fp32 --bwd split \
+                            --shapes 16x12x1024x64,8x16x1024x64,4x32x2048x128,2x12x16384x64 --out "$LOGS/attention-tf32.json"
+                        part gpt2_step-tf32 240 python3 benchmarks/gpt2_step.py --modes tf32 --frameworks kiln,eager,compile \
+                            --steps 50 --warmup 10 --out "$LOGS/gpt2-tf32" --kernel-profile "$LOGS/prof-tf32" ;;
         gemm-tune) part gemm-tune-tests 240 python3 benchmarks/cuda_suite.py --shards 2 --logs "$LOGS/gemm-tune" \
                        --paths tests/test_gemm_autotune.py tests/test_cuda_gemm.py
                    part gpt2_step-gemm-tune 150 python3 benchmarks/gpt2_step.py --modes bf16 --steps 40 --warmup 10 \
