@@ -89,6 +89,20 @@ class AccumulateGrad:
             hook(leaf)
 
 
+class DeferredGrad:
+    """A gradient a Function's backward may return for an input in place of an array, when adding itself
+    into an array is cheaper than being made whole (Embedding's scatter: no zeroed [V, C] array and no
+    [V, C] add where GPT-2's LM head has already written the tied weight's gradient). `make(into)` adds it
+    into the array `into` and returns that, or, with None, returns it as a new array. The engine adds it
+    into the input's pending gradient when that is an array nothing else holds of its shape and dtype,
+    else makes it whole (as fresh: nothing else holds it either)."""
+
+    __slots__ = ("shape", "dtype", "make")
+
+    def __init__(self, shape, dtype, make):
+        self.shape, self.dtype, self.make = tuple(shape), dtype, make
+
+
 class Fresh:
     """An array an op just computed, saved for backward (ctx.save_for_backward(Fresh(out))): nothing
     else holds it to change it, and the engine gives it the output tensor's version counter."""
@@ -321,6 +335,13 @@ def _run_graph(ready, pending, deps, owned, retain_graph) -> None:
                     continue
                 child, nr = edge
                 key = id(child)
+                if isinstance(g, DeferredGrad):
+                    held = pending.get(key, (None,) * (nr + 1))[nr]
+                    if held is not None and id(held) in owned and held.shape == g.shape and held.dtype == g.dtype:
+                        g.make(held)  # added into the pending array itself
+                        g = None
+                    else:
+                        g = g.make(None)  # a new array: fresh, as the node's fresh_grads says
                 if g is not None:
                     slot = pending.get(key)
                     if slot is None:

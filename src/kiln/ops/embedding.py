@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.autograd import Function
+from kiln.autograd import DeferredGrad, Function
 from kiln.errors import DTypeError, ShapeError
 
 
@@ -17,7 +17,9 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         idx, num, backend = ctx.meta
-        return backend.embedding_bwd(g, idx, num), None
+        # the scatter adds itself into the weight's pending gradient where there is one (a tied weight's)
+        make = lambda into: backend.embedding_bwd(g, idx, num, into=into)  # noqa: E731
+        return DeferredGrad((num, g.shape[-1]), g.dtype, make), None
 
 
 def embedding(idx, weight):

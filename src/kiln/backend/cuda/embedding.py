@@ -15,6 +15,7 @@ from kiln.backend.cpu import embedding as cpu
 from kiln.backend.cuda import device as rt
 from kiln.backend.cuda.compiler import FLOAT_CTYPES, INDEX_CTYPES, register_family
 from kiln.backend.cuda.launch import as_index, cdiv, contiguous, cpu_fallback, ctype, get_kernel, i32, i64, idx_ctype
+from kiln.errors import ShapeError
 
 EMB_THREADS = 256
 EMB_TILE = 1024             # positions per rank tile (phase 0)
@@ -43,19 +44,26 @@ def embedding_fwd(weight, idx):
     return out.reshape(tuple(idx.shape) + (c,))
 
 
-def embedding_bwd(grad, idx, num_embeddings):
-    """dweight[V, C]: grad rows summed by index in position order, with no atomics (deterministic).
+def embedding_bwd(grad, idx, num_embeddings, into=None):
+    """dweight[V, C]: grad rows summed by index in position order, with no atomics (deterministic); with
+    `into` (a [V, C] array), the sums added to its rows in place, and `into` returned: no zeroed [V, C]
+    array and no add of one (a tied weight's gradient, which GPT-2's LM head writes first).
 
     An index outside [0, V) contributes nothing."""
     t = ctype(grad.dtype)
     c = grad.shape[-1]
+    if into is not None and into.shape != (num_embeddings, c):
+        raise ShapeError(f"embedding_bwd into an array of shape {into.shape}, not the weight's ({num_embeddings}, {c})")
     if t is None or num_embeddings > EMB_MAX_V or grad.size >= 2 ** 31 * max(c, 1):
-        return cpu_fallback(cpu.embedding_bwd, grad, idx, num_embeddings)
+        fresh = cpu_fallback(cpu.embedding_bwd, grad, idx, num_embeddings)
+        return fresh if into is None else _add_into(into, fresh)
+    if into is not None and (into.dtype != grad.dtype or not into.flags.c_contiguous):
+        return _add_into(into, embedding_bwd(grad, idx, num_embeddings))
     cp = rt.cupy()
     g = contiguous(grad).reshape(-1, c)
     flat = as_index(idx).reshape(-1)
     n = flat.size
-    dweight = cp.zeros((num_embeddings, c), dtype=grad.dtype)
+    dweight = cp.zeros((num_embeddings, c), dtype=grad.dtype) if into is None else into
     if n == 0 or c == 0:
         return dweight
     v1 = num_embeddings + 1
@@ -67,7 +75,13 @@ def embedding_bwd(grad, idx, num_embeddings):
     partial = cp.empty((nseg * 2 * c,), dtype=np.float32)
     kernel = get_kernel("embedding.cu", f"embedding_bwd<{t}, {idx_ctype(flat.dtype)}>")
     rest = (g, flat, dweight, i32(n), i32(c), i64(num_embeddings), tile_count, rank, block_total,
-            i32(nblocks_v), sorted_pos, sorted_key, partial)
+            i32(nblocks_v), sorted_pos, sorted_key, partial, i32(into is not None))
     for phase, blocks in enumerate((ntiles, nblocks_v, cdiv(n, EMB_THREADS), nseg, nseg)):
         kernel((blocks,), (EMB_THREADS,), (i32(phase),) + rest)
     return dweight
+
+
+def _add_into(into, fresh):
+    rt.stream()  # CuPy's add below on kiln's stream
+    into += fresh.astype(into.dtype, copy=False)
+    return into

@@ -16,7 +16,9 @@
 //              row directly or, for a run that crosses the segment's edge, a partial row
 //   4 combine: the segment where a crossing run starts adds the partials of the segments it
 //              crosses, in order, and writes the row
-// An index outside [0, V) is counted as V and dropped. dweight must be zero on entry.
+// An index outside [0, V) is counted as V and dropped. dweight must be zero on entry, or, with
+// `accumulate`, hold a gradient the rows' sums are added to (a tied weight's: GPT-2's LM head writes
+// wte's gradient first); every row of a present index is written once, so either way is deterministic.
 #include "common.cuh"
 
 using namespace kiln;
@@ -101,16 +103,22 @@ __device__ __forceinline__ float4 f4_add(float4 a, float4 b) {
 }
 
 template <typename T>
-__device__ __forceinline__ void emb_emit4(int code, float4 acc, T* dweight, float* seg_partial, int C, int c) {
-    if (code >= 0) store_f4(dweight + (long long)code * C + c, acc);
-    else if (code == kEmbHead) store_f4(seg_partial + c, acc);
+__device__ __forceinline__ void emb_emit4(int code, float4 acc, T* dweight, float* seg_partial, int C, int c,
+                                          bool accumulate) {
+    if (code >= 0) {
+        T* const row = dweight + (long long)code * C + c;
+        store_f4(row, accumulate ? f4_add(load_f4(row), acc) : acc);
+    } else if (code == kEmbHead) store_f4(seg_partial + c, acc);
     else if (code == kEmbTail) store_f4(seg_partial + C + c, acc);
 }
 
 template <typename T>
-__device__ __forceinline__ void emb_emit1(int code, float acc, T* dweight, float* seg_partial, int C, int c) {
-    if (code >= 0) dweight[(long long)code * C + c] = from_float<T>(acc);
-    else if (code == kEmbHead) seg_partial[c] = acc;
+__device__ __forceinline__ void emb_emit1(int code, float acc, T* dweight, float* seg_partial, int C, int c,
+                                          bool accumulate) {
+    if (code >= 0) {
+        T* const row = dweight + (long long)code * C + c;
+        *row = from_float<T>(accumulate ? to_float(*row) + acc : acc);
+    } else if (code == kEmbHead) seg_partial[c] = acc;
     else if (code == kEmbTail) seg_partial[C + c] = acc;
 }
 
@@ -121,7 +129,7 @@ __global__ void __launch_bounds__(kEmbThreads) embedding_bwd(int phase, const T*
                                                              int* __restrict__ tile_count, int* __restrict__ rank,
                                                              int* __restrict__ block_total, int nblocks_v,
                                                              int* __restrict__ sorted_pos, int* __restrict__ sorted_key,
-                                                             float* __restrict__ partial) {
+                                                             float* __restrict__ partial, int accumulate) {
     const long long V1 = V + 1;  // keys 0..V; V stands for every out-of-range index
     __shared__ int sh[kEmbMaxVBlocks];
     __shared__ int scratch[kEmbThreads / 32];
@@ -212,7 +220,7 @@ __global__ void __launch_bounds__(kEmbThreads) embedding_bwd(int phase, const T*
                             acc = f4_add(acc, x[u]);
                             const int code = scode[j0 + u];
                             if (code != kEmbNone) {
-                                emb_emit4(code, acc, dweight, seg_partial, C, c);
+                                emb_emit4(code, acc, dweight, seg_partial, C, c, accumulate);
                                 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                             }
                         }
@@ -233,7 +241,7 @@ __global__ void __launch_bounds__(kEmbThreads) embedding_bwd(int phase, const T*
                             acc += x[u];
                             const int code = scode[j0 + u];
                             if (code != kEmbNone) {
-                                emb_emit1(code, acc, dweight, seg_partial, C, c);
+                                emb_emit1(code, acc, dweight, seg_partial, C, c, accumulate);
                                 acc = 0.0f;
                             }
                         }
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(kEmbThreads) embedding_bwd(int phase, const T*
         for (int c = threadIdx.x; c < C; c += kEmbThreads) {
             float acc = tail[c];
             for (int t = blockIdx.x + 1; t <= last; ++t) acc += partial[(long long)t * 2 * C + c];
-            row[c] = from_float<T>(acc);
+            row[c] = from_float<T>(accumulate ? to_float(row[c]) + acc : acc);
         }
     }
 }
