@@ -109,6 +109,26 @@ def test_a_retained_graph_gives_the_same_gradients_again_and_then_a_clear_error(
         loss.backward()
 
 
+def test_loss_backward_of_the_head_skips_the_scale_by_the_implicit_one(monkeypatch):
+    """loss.backward() hands the head its implicit gradient 1 as such (autograd.is_unit_grad): the backend is
+    asked to scale by nothing, and the gradients are those of backward(1.0), which scales; 2.0 doubles them."""
+    be = kiln.backend.get_backend("cpu")
+    seen = []
+    real = be.lm_head_xent_bwd
+    monkeypatch.setattr(be, "lm_head_xent_bwd", lambda g, *a: seen.append(g) or real(g, *a))
+    x, w, t = problem(np.random.default_rng())
+    grads = []
+    for upstream in (None, 1.0, 2.0):
+        xt, wt = kiln.tensor(x).requires_grad_(), kiln.tensor(w).requires_grad_()
+        loss = F.lm_head_cross_entropy(xt, wt, kiln.tensor(t))
+        loss.backward(None if upstream is None else kiln.tensor(upstream))
+        grads.append((xt.grad.numpy(), wt.grad.numpy()))
+    assert seen[0] is None and all(g is not None for g in seen[1:])
+    for a, b, c in zip(*grads):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(2 * a, c)
+
+
 def test_chunks_fit_the_budget_and_cover_the_rows():
     rows = cpu_lm_head.chunk_rows_for(16384, 50304, 2)
     assert rows == 4096  # 4 chunks of 412 MB of bf16 logits for GPT-2 124M at B16 T1024

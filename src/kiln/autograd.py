@@ -238,16 +238,27 @@ def _check_same_device(op: str, tensors) -> None:
                                   "move them with .to(device) first")
 
 
-def backward(root, grad, retain_graph: bool = False) -> None:
-    """Run the graph below `root` in reverse topological order, from `grad` (an array)."""
+def backward(root, grad, retain_graph: bool = False, unit: bool = False) -> None:
+    """Run the graph below `root` in reverse topological order, from `grad` (an array). unit: grad is the
+    implicit 1 of a scalar's backward (Tensor.backward() with no gradient), which is_unit_grad names to the
+    op that receives it: an op whose backward only scales by its upstream gradient (the fused LM head's)
+    skips the pass."""
     if root.grad_fn is None:
         if root.requires_grad:
             root._accumulator = root._accumulator or AccumulateGrad(root)
             root._accumulator.accumulate(grad)
             return
         raise AutogradError("backward on a tensor that does not require grad and has no grad_fn")
+    prev, _state.unit_grad = getattr(_state, "unit_grad", None), (grad if unit else None)
+    try:
+        _backward_from(root.grad_fn, {root._output_nr: grad}, retain_graph)
+    finally:
+        _state.unit_grad = prev
 
-    _backward_from(root.grad_fn, {root._output_nr: grad}, retain_graph)
+
+def is_unit_grad(g) -> bool:
+    """Whether g is the implicit gradient 1 the running backward started from (see backward's unit)."""
+    return g is not None and g is getattr(_state, "unit_grad", None)
 
 
 def backward_outputs(outputs, grads, retain_graph: bool = False) -> None:

@@ -108,7 +108,7 @@ class Tensor:
             g = grad.data if isinstance(grad, Tensor) else self.backend.asarray(grad, dtype=self.dtype.np)
             if tuple(g.shape) != self.shape:
                 raise AutogradError(f"gradient of shape {tuple(g.shape)} for a tensor of shape {self.shape}")
-        autograd.backward(self, g, retain_graph=retain_graph)
+        autograd.backward(self, g, retain_graph=retain_graph, unit=grad is None)
 
     def detach(self) -> "Tensor":
         """The same storage, out of the graph."""

@@ -9,7 +9,7 @@ scales copies, so that a second backward, AdamW's exact clip in kiln.optim.adamw
 
 from __future__ import annotations
 
-from kiln.autograd import Function, graph_retained
+from kiln.autograd import Function, graph_retained, is_unit_grad
 from kiln.errors import DTypeError, ShapeError
 from kiln.ops.convert import grad_dtype
 
@@ -32,7 +32,7 @@ class LMHeadCrossEntropy(Function):
         if graph_retained():
             dx, dw = (None if a is None else a.copy() for a in (dx, dw))
         x_shape, w_dtype, backend = ctx.meta
-        dx, dw = backend.lm_head_xent_bwd(g, dx, dw, w_dtype)
+        dx, dw = backend.lm_head_xent_bwd(None if is_unit_grad(g) else g, dx, dw, w_dtype)
         return (None if dx is None else dx.reshape(x_shape)), dw, None
 
     def release(self) -> None:

@@ -61,7 +61,10 @@ def lm_head_xent_fwd(x, weight, targets, ignore_index, chunk_rows=None, need_dx=
 
 
 def lm_head_xent_bwd(grad, dx, dweight, weight_dtype):
-    """(grad * dx, grad * dweight in weight_dtype): the forward's gradients scaled by the upstream one."""
+    """(grad * dx, grad * dweight in weight_dtype): the forward's gradients scaled by the upstream one
+    (None: the implicit 1 of loss.backward(), nothing to scale)."""
+    if grad is None:
+        return dx, (None if dweight is None else dweight.astype(weight_dtype, copy=False))
     g = upcast(np.asarray(grad))
     out_dx = None if dx is None else (upcast(dx) * g).astype(dx.dtype, copy=False)
     out_dw = None if dweight is None else (dweight * g).astype(weight_dtype, copy=False)

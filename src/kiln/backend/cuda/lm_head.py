@@ -59,10 +59,12 @@ def lm_head_xent_fwd(x, weight, targets, ignore_index, chunk_rows=None, need_dx=
 
 
 def lm_head_xent_bwd(grad, dx, dweight, weight_dtype):
-    """(grad * dx, grad * dweight in weight_dtype), scaling the forward's own buffers in place."""
+    """(grad * dx, grad * dweight in weight_dtype), scaling the forward's own buffers in place; grad None
+    is the implicit 1 of loss.backward(): no pass over them (0.1 ms a step at GPT-2 124M)."""
     if dx is not None and ctype(dx.dtype) is None:
         return cpu_fallback(cpu.lm_head_xent_bwd, grad, dx, dweight, weight_dtype)
-    scale_([a for a in (dx, dweight) if a is not None], grad)
+    if grad is not None:
+        scale_([a for a in (dx, dweight) if a is not None], grad)
     if dweight is not None and np.dtype(dweight.dtype) != np.dtype(weight_dtype):
         dweight = cast(dweight, weight_dtype)
     return dx, dweight
