@@ -53,9 +53,11 @@ __global__ void philox_normal(T* __restrict__ out, long long n, unsigned long lo
     const float u1a = ((float)(r.x >> 8) + 1.0f) * (1.0f / 16777216.0f), u2a = uniform01(r.y);
     const float u1b = ((float)(r.z >> 8) + 1.0f) * (1.0f / 16777216.0f), u2b = uniform01(r.w);
     const float ra = sqrtf(-2.0f * logf(u1a)), rb = sqrtf(-2.0f * logf(u1b));
+    // The angle as sincospif's 2u (exact) in [0, 2): sincosf(2 pi u) carries a large-argument reduction
+    // (Payne-Hanek, a 28-byte local array) that ptxas 13.0 leaves in a stack frame, and never takes it here.
     float sa, ca, sb, cb;
-    sincosf(6.283185307179586f * u2a, &sa, &ca);
-    sincosf(6.283185307179586f * u2b, &sb, &cb);
+    sincospif(2.0f * u2a, &sa, &ca);
+    sincospif(2.0f * u2b, &sb, &cb);
     z[0] = ra * ca;
     z[1] = ra * sa;
     z[2] = rb * cb;
