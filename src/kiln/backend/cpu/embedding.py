@@ -23,6 +23,7 @@ def embedding_bwd(grad, idx, num_embeddings, into=None):
     if into.shape != dweight.shape:
         raise ShapeError(f"embedding_bwd into an array of shape {into.shape}, not the weight's {dweight.shape}")
     flat = idx.reshape(-1)
-    rows = np.unique(flat[(flat >= 0) & (flat < num_embeddings)])
+    rows = np.zeros(num_embeddings, dtype=bool)  # the rows the GPU writes
+    rows[flat[(flat >= 0) & (flat < num_embeddings)]] = True
     into[rows] = (upcast(into[rows]) + dweight[rows]).astype(into.dtype)
     return into
