@@ -47,8 +47,8 @@
 # tf32-attention (issue 14's tf32 row: the *_tf32 attention kernels' tests, benchmarks/attention.py tf32 and fp32 against
 # SDPA, the tf32 step with eager and compile and its kernel tables, ~5 min; s16's call 2 ran these three commands),
 # compiler (the device's NVRTC version, and tests/test_kernel_compile.py under it, one line a test: CI compiles with
-# the nvidia-cuda-nvrtc wheel (13.5 on 2026-12-07), whose ptxas allocates registers otherwise: that day the
-# device's failed the spill test of attention.cu and random.cu, which CI's passes, ~2 min).
+# the nvidia-cuda-nvrtc wheel pyproject.toml pins, 13.0.88, the device image's release since 2026-12-07, when 13.5's
+# ptxas passed a spill test the device's failed; run this part when the image changes, ~2 min).
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
