@@ -36,6 +36,9 @@ class _Store:
     def try_get(self, key):
         return self.records.get(key)
 
+    def keys(self, prefix):
+        return [k for k in self.records if k.startswith(prefix)]
+
 
 class _Markers:
     def __init__(self, ended):
@@ -80,3 +83,34 @@ def test_ranks_that_ended_after_a_report_are_its_consequence(tmp_path):
     inc = _classify(tmp_path / "own", {1: -9}, reports={2: oom})
     assert (inc.cls, inc.rank) == ("host_oom", 2)
     assert inc.evidence == "MemoryError (still running when the gang failed)"
+
+
+def test_a_rank_dead_under_a_running_mpiexec_is_found_from_its_shells_status(tmp_path):
+    """hydra's proxy may reap a dead rank's shell (exit status 137: the shell outlives its killed command)
+    before it handles the close of the rank's PMI socket, and then kills none of the others: they wait in a
+    collective for the dead rank and mpiexec never ends (CI, 2026-12-07: test_a_corrupt_shard_... hung, rank 0
+    in its "checkpoint" phase, whose hang timeout is the startup timeout). The supervisor names the rank from
+    the status its shell wrote, at once, without waiting for mpiexec."""
+    config = LaunchConfig(command=["true"], run_dir=tmp_path, nproc=2, mpi=True, startup_timeout_s=5)
+    sup = Supervisor(config, out=io.StringIO())
+    now = time.time()
+    sup.store = _Store({f"launch/hb/0/{r}": {"step": 8, "time": now, "phase": "checkpoint", "step_s": 0.1}
+                        for r in range(2)})
+    paths = {r: tmp_path / f"rank-{r}.exit" for r in range(2)}
+    sup._exit_markers = ExitMarkers(paths)
+    mpiexec = subprocess.Popen(["sleep", "60"])  # an mpiexec whose proxy killed nobody: it does not end
+    sup._procs = {"mpiexec": mpiexec}
+    try:
+        paths[1].write_text("137\n")  # rank 1's shell, after its command was SIGKILLed
+        t0 = time.monotonic()
+        inc = sup._watch(time.time(), None, [])
+        assert time.monotonic() - t0 < 2  # not the startup timeout's "hang" (5 s here, 900 s by default)
+        assert (inc.cls, inc.rank, inc.step, inc.evidence) == ("dead_rank", 1, 8, "exit: killed by SIGKILL")
+        assert mpiexec.poll() is None
+        paths[0].write_text("0\n")  # a rank that finished is no failure
+        paths[1].unlink()
+        sup.store.records["launch/hb/0/0"] = json.dumps({"step": 12, "time": now, "phase": "finish"}).encode()
+        assert sup._dead_under_mpiexec({0: {"phase": "finish"}, 1: {"phase": "step"}}) == {}
+    finally:
+        mpiexec.kill()
+        mpiexec.wait()

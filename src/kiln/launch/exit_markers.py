@@ -9,7 +9,12 @@ So each rank's shell runs the command as its child and, when the command ends, w
 to logs/rank-R.exit before it exits itself: before the proxy can see the rank end (the shell holds the
 rank's PMI descriptor) and kill the others, whose shells die with them (SIGUSR1, then SIGKILL, to the
 process group) and write nothing. The markers are causal: the dead rank's is there first, with the
-command's own status. (The ranks `kiln launch` starts itself need none: it sees each exit, and kiln's
+command's own status. They are also how the supervisor learns that a rank died at all (it reads them every
+poll): mpiexec may never end. The shell exits with 128 + N rather than by the signal, so hydra's proxy kills
+the others only from the close of the rank's PMI socket, and it skips that when it has reaped the shell
+first (woken by its stdout closing: hydra's pmip.c and pmip_cb.c, MPICH 5.0), leaving them in their
+collective for the dead rank (CI, 2026-12-07: benchmarks/results/diagnostics/mpiexec-missed-dead-rank-
+2026-12-07.md). (The ranks `kiln launch` starts itself need none: it sees each exit, and kiln's
 PMI servers leave the others alive for its teardown; kiln.distributed.pmi.)
 """
 

@@ -282,8 +282,9 @@ class Supervisor:
         output to its own log (PMI_RANK names it); mpiexec's own goes to logs/mpiexec.log. Each rank is
         a shell running the command as its child, which writes the command's exit status to
         logs/rank-R.exit when it ends (kiln.launch.exit_markers: which rank ended first, on
-        its own); the shell waits out TERM, INT and HUP (the rank, in the same process group, gets them
-        and saves), and dies with the rank on hydra's SIGUSR1 and SIGKILL."""
+        its own, and that it ended at all: hydra may leave mpiexec running, _dead_under_mpiexec); the shell
+        waits out TERM, INT and HUP (the rank, in the same process group, gets them and saves), and dies
+        with the rank on hydra's SIGUSR1 and SIGKILL."""
         c = self.config
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
         if mpiexec is None:
@@ -422,6 +423,8 @@ class Supervisor:
                     exited_ok.add(rank)
                 else:
                     failed[rank] = rc
+            if not failed and self._exit_markers is not None:
+                failed = self._dead_under_mpiexec(beats)
             if failed:
                 return self._exit_incident(failed, beats)
             if len(exited_ok) == len(self._procs):
@@ -445,6 +448,18 @@ class Supervisor:
                                 f"no heartbeat within the startup timeout {self.config.startup_timeout_s:g} s", "")
             time.sleep(POLL_S)
 
+    def _dead_under_mpiexec(self, beats: dict[int, dict]) -> dict[int, int]:
+        """Under mpiexec: the ranks whose shells wrote an exit status other than 0 without finishing
+        (rank -> status), while mpiexec may still be running. Its exit is no sign that a rank died:
+        hydra's proxy ends a dead rank's peers only when it sees the rank's PMI socket close before it
+        reaps the rank's process, or reaps a process killed by a signal. The rank's shell exits with
+        the killed command's 128 + N, not by the signal, so when the proxy, woken by the shell's
+        stdout closing, reaps the shell before it handles the PMI socket's close, it kills nobody
+        (it takes the set exit status for a kill already sent), and the peers wait in their
+        collective for the dead rank, mpiexec with them (kiln.launch.exit_markers)."""
+        return {r: status for r, (status, _) in self._exit_markers.ended().items()
+                if status != 0 and beats.get(r, {}).get("phase") != "finish"}
+
     def _exit_incident(self, failed: dict, beats: dict[int, dict]) -> Incident:
         """Classify a gang that exited with failures. The cause, in order: a rank's own report
         other than a collective failure (that is a consequence); a rank that died without one
@@ -452,7 +467,8 @@ class Supervisor:
         reported (its MPI_Abort ends them all); a collective failure. Under mpiexec, whose ranks'
         exits the supervisor does not see, the ranks whose shells wrote an exit status other than 0
         without finishing, in the order they wrote it (ExitMarkers: mpiexec kills a dead rank's
-        peers within milliseconds, and its own report goes in rank order)."""
+        peers within milliseconds, when it does, and its own report goes in rank order); failed
+        then holds them, or mpiexec's own status where mpiexec ended first."""
         time.sleep(2 * POLL_S)  # a report written just before the exit
         reports = {r: rec for r in self.ranks if (rec := self._record(f"launch/error/{self.attempt}/{r}"))}
         own = [r for r, rec in reports.items() if rec["class"] != "collective_failure"]
