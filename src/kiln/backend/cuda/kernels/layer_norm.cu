@@ -213,6 +213,13 @@ __global__ void __launch_bounds__(256) add_layer_norm_fwd_any(const R* __restric
 // registers there, ptxas keeps it live across the row and the 16-bit C = 768 kernel (GPT-2
 // 124M) takes 156 registers instead of 127, one block per SM instead of two; loaded where it
 // is added, its latency comes after the reductions, on every row's critical path.
+// Two blocks an SM for a 16-bit gradient: ptxas needs 128 registers or fewer, as it takes here, but the device
+// image's ptxas took 134 for add_layer_norm_bwd_dy_reg<float, bf16, 768> (Nsight Compute, 2026-12-07): one block
+// (8 warps) an SM, 62% of DRAM bandwidth, 90 us at GPT-2's 16384 x 768. fp32 gradients and rows wider than 768
+// keep ptxas's choice (0: no minimum, the registers they had; held to 128 they spill).
+template <typename T, int C>
+constexpr int kLnBwdMinBlocks = sizeof(T) == 2 && C <= 768 ? 2 : 0;
+
 template <typename R, typename T, int C, bool kAdd, bool kDy>
 __device__ __forceinline__ void ln_bwd_reg(const R* __restrict__ ds, const T* __restrict__ g,
                                            const R* __restrict__ x, const R* __restrict__ w,
@@ -315,7 +322,7 @@ __device__ __forceinline__ void ln_bwd_reg(const R* __restrict__ ds, const T* __
 }
 
 template <typename R, typename T, int C>
-__global__ void __launch_bounds__(256) layer_norm_bwd_reg(const T* __restrict__ g, const R* __restrict__ x,
+__global__ void __launch_bounds__(256, kLnBwdMinBlocks<T, C>) layer_norm_bwd_reg(const T* __restrict__ g, const R* __restrict__ x,
                                                           const R* __restrict__ w,
                                                           const float* __restrict__ mean,
                                                           const float* __restrict__ rstd, R* __restrict__ dx,
@@ -325,7 +332,7 @@ __global__ void __launch_bounds__(256) layer_norm_bwd_reg(const T* __restrict__ 
 
 // The same, and dy = dx rounded to T (the `_dy` kernels: a branch's gradient when no gradient of s comes).
 template <typename R, typename T, int C>
-__global__ void __launch_bounds__(256) layer_norm_bwd_dy_reg(const T* __restrict__ g, const R* __restrict__ x,
+__global__ void __launch_bounds__(256, kLnBwdMinBlocks<T, C>) layer_norm_bwd_dy_reg(const T* __restrict__ g, const R* __restrict__ x,
                                                              const R* __restrict__ w,
                                                              const float* __restrict__ mean,
                                                              const float* __restrict__ rstd, R* __restrict__ dx,
@@ -335,7 +342,7 @@ __global__ void __launch_bounds__(256) layer_norm_bwd_dy_reg(const T* __restrict
 
 // dx = ds + layer_norm_bwd(g) for s = x + y, the saved sum (here `s`); dx is the gradient of x and y.
 template <typename R, typename T, int C>
-__global__ void __launch_bounds__(256) add_layer_norm_bwd_reg(const R* __restrict__ ds, const T* __restrict__ g,
+__global__ void __launch_bounds__(256, kLnBwdMinBlocks<T, C>) add_layer_norm_bwd_reg(const R* __restrict__ ds, const T* __restrict__ g,
                                                               const R* __restrict__ s, const R* __restrict__ w,
                                                               const float* __restrict__ mean,
                                                               const float* __restrict__ rstd,
@@ -346,7 +353,7 @@ __global__ void __launch_bounds__(256) add_layer_norm_bwd_reg(const R* __restric
 
 // The same, and dy = dx rounded to T: the gradient of a branch y of type T on a residual of type R.
 template <typename R, typename T, int C>
-__global__ void __launch_bounds__(256) add_layer_norm_bwd_dy_reg(const R* __restrict__ ds, const T* __restrict__ g,
+__global__ void __launch_bounds__(256, kLnBwdMinBlocks<T, C>) add_layer_norm_bwd_dy_reg(const R* __restrict__ ds, const T* __restrict__ g,
                                                                  const R* __restrict__ s, const R* __restrict__ w,
                                                                  const float* __restrict__ mean,
                                                                  const float* __restrict__ rstd,
