@@ -220,6 +220,22 @@ __global__ void __launch_bounds__(256) add_layer_norm_fwd_any(const R* __restric
 template <typename T, int C>
 constexpr int kLnBwdMinBlocks = sizeof(T) == 2 && C <= 768 ? 2 : 0;
 
+// The row loop's stride, gridDim.x, read where it is added in the kernels held to two blocks an SM: hoisted out
+// of the loop it is one more live register, and ptxas 13.0.88 spills it there (4 bytes: a local load every row
+// for add_layer_norm_bwd_dy_reg<float, bf16, 768>) instead of reading the constant again; a volatile read
+// stays in the loop. The other kernels keep the hoisted read (theirs do not spill, and ptxas's choices for
+// the fp32 kernels move when it changes).
+template <typename T, int C>
+__device__ __forceinline__ int ln_bwd_grid_dim() {
+    if constexpr (kLnBwdMinBlocks<T, C> > 0) {
+        int v;
+        asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(v));
+        return v;
+    } else {
+        return gridDim.x;
+    }
+}
+
 template <typename R, typename T, int C, bool kAdd, bool kDy>
 __device__ __forceinline__ void ln_bwd_reg(const R* __restrict__ ds, const T* __restrict__ g,
                                            const R* __restrict__ x, const R* __restrict__ w,
@@ -239,7 +255,7 @@ __device__ __forceinline__ void ln_bwd_reg(const R* __restrict__ ds, const T* __
     for (int p = 0; p < P; ++p)
 #pragma unroll
         for (int j = 0; j < V; ++j) adw[p][j] = adb[p][j] = 0.0f;
-    for (int row = blockIdx.x * kLnWarps + warp; row < n; row += gridDim.x * kLnWarps) {
+    for (int row = blockIdx.x * kLnWarps + warp; row < n; row += ln_bwd_grid_dim<T, C>() * kLnWarps) {
         const T* gr = g + (long long)row * C;
         const R* xr = x + (long long)row * C;
         const float mu = mean[row], r = rstd[row];
