@@ -163,7 +163,8 @@ def resolve_device(name: str):
 
 
 def apply_precision(model, precision: str, device, bf16_residual: str = "fp32") -> None:
-    """fp32: strict fp32 GEMMs; tf32: fp32 tensors, tf32 tensor-core GEMMs (GPU only); bf16: bf16
+    """fp32: strict fp32 products (GEMMs and attention); tf32: fp32 tensors, tf32 tensor-core products, the
+    GEMMs' and attention's (GPU only); bf16: bf16
     activations and GEMM operands over fp32 master weights and optimizer state; fp64: float64.
 
     bf16_residual (bf16 only): "fp32" keeps the residual stream and the LayerNorms in fp32, their outputs
