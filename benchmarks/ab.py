@@ -103,7 +103,8 @@ def run(arms_dir: Path, work: Path, logs: Path, cmd: list[str], repeat: int, tim
             runs.append({"arm": arm["name"], "commit": arm["commit"], "run": i, "rc": rc,
                          "seconds": round(time.monotonic() - t0, 1), "log": log.name})
             print(f"{arm['name']} ({arm['commit']}) run {i}: rc {rc} in {runs[-1]['seconds']} s", flush=True)
-    (logs / "runs.json").write_text(json.dumps({"command": cmd, "arms": arms, "runs": runs}, indent=1) + "\n")
+            # after every run: a device call cut off at its limit still has the table of the runs it finished
+            (logs / "runs.json").write_text(json.dumps({"command": cmd, "arms": arms, "runs": runs}, indent=1) + "\n")
     return runs
 
 

@@ -42,6 +42,24 @@ def test_every_arm_runs_its_own_tree_interleaved(repo, tmp_path):
     got = {r["log"]: (tmp_path / "logs" / r["log"]).read_text().strip() for r in runs}
     assert got["HEAD_1-2.log"] == "version 1" and got["HEAD-1.log"] == "version 2" and got["wt-2.log"] == "version 3"
     assert not (tmp_path / "work" / "HEAD" / "benchmarks" / "results").exists()  # results stay home
+    assert json.loads((tmp_path / "logs" / "runs.json").read_text())["runs"] == runs
+
+
+def test_runs_json_names_the_finished_runs_after_each(repo, tmp_path, monkeypatch):
+    """A call cut off at its limit keeps the table of the runs it finished: runs.json is written after each."""
+    ab = load_benchmark("ab")
+    ab.prepare(["HEAD~1", "HEAD"], repo, tmp_path / "arms")
+    seen = []
+    real = ab.subprocess.run
+
+    def run_and_look(cmd, **kw):
+        path = tmp_path / "logs" / "runs.json"
+        seen.append(len(json.loads(path.read_text())["runs"]) if path.exists() else 0)
+        return real(cmd, **kw)
+    monkeypatch.setattr(ab.subprocess, "run", run_and_look)
+    ab.run(tmp_path / "arms", tmp_path / "work", tmp_path / "logs", [sys.executable, "benchmarks/which.py"],
+           repeat=2, timeout=60)
+    assert seen[-4:] == [0, 1, 2, 3]
 
 
 def _logs(folder, figures, log_text):
