@@ -5,10 +5,11 @@ another length: full, or causal with an offset).
 q is [B, H, Tq, D] and k, v [B, H, Tk, D] with D in ATTENTION_HEAD_DIMS (compile-time
 specialised); other head dims and float64 run the CPU reference on a host copy. float32 runs on
 the CUDA cores (strict fp32, register-tiled, 64 threads per block), or, where the matmul precision is
-"tf32" (kiln's tf32 mode), on the TF32 tensor cores (`*_tf32`: mma.sync m16n8k8, operands rounded to tf32 as
-cuBLASLt's tf32 GEMMs round theirs, fp32 accumulation and softmax; 128 threads, 64 rows a block, the block's
-operands in dynamic shared memory); bfloat16 and float16 run the tensor-core kernels (`*_tc`: Hopper wgmma, fp32 accumulation), 64 query (or key) rows per block
-of one warpgroup (128 threads).
+"tf32" (kiln's tf32 mode), on the TF32 tensor cores (`*_tf32`: mma.sync m16n8k8, operands rounded to
+tf32 as cuBLASLt's tf32 GEMMs round theirs, fp32 accumulation and softmax; 128 threads, 64 rows a
+block, the block's operands in dynamic shared memory); bfloat16 and float16 run the tensor-core
+kernels (`*_tc`: Hopper wgmma, fp32 accumulation), 64 query (or key) rows per block of one
+warpgroup (128 threads).
 
 The kernels take every operand as it lies in memory: a [B, H, T, D] view with any batch, head
 and row strides (unit stride along D), so q, k, v can be views of c_attn's packed [B, T, 3, H, D]
