@@ -19,9 +19,10 @@
 // Each output element is written by one thread with a fixed summation order: no atomics,
 // deterministic. (`attention_bwd_fused_tc`, near the end, does both walks' work in the first one
 // and adds dQ's contributions in whatever order the blocks run: not deterministic, so never the
-// default.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32);
-// bfloat16 and float16 take the tensor-core kernels (`*_tc`, Hopper wgmma) at the end of this
-// file, which keep the same structure.
+// default.) float32 runs on the CUDA cores (register-tiled, strict IEEE fp32 FMAs: no TF32), or
+// under tf32 products (kiln's tf32 mode) on the TF32 tensor cores (`*_tf32`, mma.sync, the last
+// section); bfloat16 and float16 take the tensor-core kernels (`*_tc`, Hopper wgmma, and the TMA
+// kernels after them), which keep the same structure.
 #include "common.cuh"
 
 using namespace kiln;
