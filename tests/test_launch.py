@@ -234,6 +234,51 @@ def test_detector_flags_nan_and_a_spike_by_its_zscore():
     assert smooth.check(15, 2.0, 1.5) is None and smooth.check(16, 2.0, 30.0).kind == "spike"
 
 
+class _HeartbeatStore:
+    """The launch store as a rank's heartbeats use it: the last record under each key."""
+
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+
+    def set(self, key, value):
+        self.records[key] = json.loads(value)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_step_after_an_eval_or_a_checkpoint_gets_the_step_timeout(rank, tmp_path):
+    """An "eval" or "checkpoint" heartbeat gets the startup timeout (900 s). Left so until the next step's
+    own heartbeat, at its end, a rank stuck (alive) in that step's collective was called hung only after
+    900 s: the trainer says "step" again once the eval or checkpoint returns. The supervisor's timeout as
+    each step starts: the startup timeout before the first, the step timeout (hang_min_s) after it.
+    Rank 1 runs _fit_without_writing: its evals (it saves checkpoints only in sharded runs)."""
+    import io
+
+    from kiln.launch.rank import RankAgent
+    from kiln.launch.supervisor import Supervisor
+    from kiln.train import TrainConfig, Trainer
+    t = Trainer(TrainConfig(model_overrides={"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
+                            batch_size=4, max_steps=6, eval_interval=3, eval_iters=2, checkpoint_interval=2,
+                            device="cpu", progress=False, sample_tokens=0, out_dir=str(tmp_path), run_name="beats"))
+    store = _HeartbeatStore()
+    t.launch = RankAgent(store, rank, 0, tmp_path / "launched")
+    t.rank = rank  # rank 1 writes no files: the same steps and evals
+    sup = Supervisor(LaunchConfig(command=["true"], run_dir=tmp_path / "launch"), out=io.StringIO())
+    key, started, train_step = f"launch/hb/0/{rank}", {}, t.train_step
+
+    def step(*args, **kwargs):
+        hb = store.records[key]
+        started[t.step + 1] = (hb["step"], hb["phase"], sup._hang_timeout(hb))
+        return train_step(*args, **kwargs)
+
+    t.train_step = step
+    t.fit()
+    c = sup.config
+    assert started == {1: (0, "start", c.startup_timeout_s), **{s: (s - 1, "step", c.hang_min_s) for s in range(2, 7)}}
+    assert store.records[key]["phase"] == "finish"
+    if rank == 0:  # the checkpoints of steps 2 and 4 were saved inside the loop
+        assert list((tmp_path / "launched" / "checkpoints").glob("*.kiln"))
+
+
 def test_fault_specs_parse_and_fire_once_on_their_rank_and_attempt():
     [a, b] = parse("kill@step=7,rank=1; spike@step=3,scale=100,attempt=1")
     assert (a.kind, a.step, a.rank, a.attempt) == ("kill", 7, 1, 0)

@@ -409,6 +409,7 @@ class Trainer:
                     if self.launch is not None:
                         self.launch.heartbeat(self.step, "eval")
                     row["val_loss"] = self.evaluate()
+                    self._steps_again()
                     row["val_tokens"] = self.val_tokens
                     evals.append((self.step, row["val_loss"]))
                 history.append(row)
@@ -423,6 +424,7 @@ class Trainer:
                 if c.checkpoint_interval and self.step // c.checkpoint_interval > saved // c.checkpoint_interval \
                         and self.step < c.max_steps:  # not on this rank's own stop signal: ranks save alike
                     saved = self._checkpoint(checkpoints, saver)
+                    self._steps_again()
             if saved != self.step:  # the end, or a signal: the step is done, save it
                 self._checkpoint(checkpoints, saver)
             if saver is not None:
@@ -483,11 +485,13 @@ class Trainer:
                     if self.launch is not None:
                         self.launch.heartbeat(self.step, "eval")
                     val = self.evaluate()
+                    self._steps_again()
                 if self._faults is not None:
                     self._faults.after_step(self.step)
                 if collective and c.checkpoint_interval and self.step < c.max_steps \
                         and self.step // c.checkpoint_interval > saved // c.checkpoint_interval:
                     saved = self._checkpoint(checkpoints, None)
+                    self._steps_again()
             if collective and saved != self.step:
                 self._checkpoint(checkpoints, None)
         if self.stop_signal is None:
@@ -523,6 +527,15 @@ class Trainer:
             self._faults.after_checkpoint(step, shard_path(path, self.rank, self.world_size) if self.shard_files
                                           else path, saver)
         return step
+
+    def _steps_again(self) -> None:
+        """After an eval or a checkpoint inside the loop: heartbeat phase "step" again (the same step
+        number, a new time), so the supervisor times the next step by the step timeout; left at "eval"
+        or "checkpoint" until that step's own heartbeat, a rank stuck in its collective would be called
+        hung only after the startup timeout (900 s). Not after the last checkpoint: the wait for its
+        background write and the "finish" heartbeat follow, under the checkpoint's timeout."""
+        if self.launch is not None:
+            self.launch.heartbeat(self.step, "step")
 
     def _supervise_step(self, row: dict, seconds: float, checkpoints, saver) -> str:
         """Heartbeat and bad-step check of the step just done; under the launch's policy a NaN or a
