@@ -53,6 +53,8 @@ def _worker(framework: str, steps: int, warmup: int, b: int, t: int | None = Non
             opt.step()
             losses.append(loss.item())
             times.append(time.perf_counter() - t0)
+            if len(times) == 1:  # as the Trainer does after its first step (the host heap keeps freed blocks)
+                model.wte.weight.backend.end_warmup()
     else:
         import torch
         sys.path.insert(0, str(ROOT))

@@ -10,6 +10,7 @@ import contextlib
 
 import numpy as np
 
+from kiln.backend.cpu import heap
 from kiln.backend.cpu.adamw import adamw_step, grad_norm, grad_norm_parts, scale_
 from kiln.backend.cpu.attention import attention_bwd, attention_fwd
 from kiln.backend.cpu.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
@@ -68,7 +69,9 @@ def get_matmul_precision() -> str:
 
 
 def end_warmup() -> None:
-    """Nothing to flush: host memory comes from NumPy, not from a caching allocator."""
+    """The first step is done: from now on the host heap keeps what a step frees for the next one
+    (heap.keep_freed_memory: no fresh mmap, no page faults, for every large temporary of every step)."""
+    heap.keep_freed_memory()
 
 
 def memory_stats() -> dict:
