@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from kiln.autograd import DeferredGrad, Function
 from kiln.errors import DTypeError, ShapeError
 
@@ -17,9 +19,9 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         idx, num, backend = ctx.meta
-        # the scatter adds itself into the weight's pending gradient where there is one (a tied weight's)
-        make = lambda into: backend.embedding_bwd(g, idx, num, into=into)  # noqa: E731
-        return DeferredGrad((num, g.shape[-1]), g.dtype, make), None
+        # the scatter adds itself into the weight's pending gradient where there is one (a tied weight's):
+        # make(into) is embedding_bwd(g, idx, num, into)
+        return DeferredGrad((num, g.shape[-1]), g.dtype, partial(backend.embedding_bwd, g, idx, num)), None
 
 
 def embedding(idx, weight):

@@ -5,8 +5,9 @@ only grows as such blocks are freed) with a fresh mmap, and trims the heap's fre
 every step of a CPU training then faults its temporaries' pages in again. Once the first step has shown
 the step's sizes (end_warmup, the Trainer's cue for the GPU's caching allocator too), this sets glibc's
 mmap threshold to its maximum (32 MiB on 64-bit) and the trim threshold to 1 GiB, so freed blocks are
-reused as they are. The tiny preset's CPU step: 99-108 -> 69-74 ms, peak RSS unchanged (2 cores,
-2026-12-07: benchmarks/results/cpu_train/). Nothing to do off glibc (no mallopt).
+reused as they are. The tiny preset's CPU step: median 117.6 -> 90.6 ms over five interleaved rounds,
+peak RSS unchanged (2 cores, 2026-12-07: benchmarks/results/cpu_train/cpu-heap-ab-2026-12-07.log).
+Nothing to do off glibc (no mallopt).
 """
 
 from __future__ import annotations
@@ -31,4 +32,6 @@ def keep_freed_memory() -> bool:
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    mmap_set = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    trim_set = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)  # set whether or not the first was taken
+    return bool(mmap_set and trim_set)
