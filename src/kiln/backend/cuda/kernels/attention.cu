@@ -1617,46 +1617,44 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __res
 
 // ---- Forward with flash-attention 3's structure (Shah et al. 2024): TMA, mbarriers, warp specialisation
 //
-// A persistent kernel: one block per SM takes jobs (ROWS = 64 NC query rows of one head, TmaJob's order, the
-// row blocks ending at n_q) as it frees up: its first is its index, each next one from a ticket counter
-// (atomicAdd by the producer, the job passed to the consumers in shared memory beside Q's barrier), so that a
-// job's first loads overlap the last one's products and output (a block of this size is alone on its SM: its
-// start-up is not hidden by another block's work) and the blocks finish together. NC + 1 warpgroups
-// (TmaFwdShape: NC = 3 consumers at D = 64, 2 at D = 128). Warpgroup 0 is the producer: it gives up registers
-// (setmaxnreg.dec to kTmaProducerRegs) and one thread issues the TMA loads (cp.async.bulk.tensor, tensor maps
-// built on the host with cuTensorMapEncodeTiled, passed as __grid_constant__ kernel parameters): per job Q's
-// rows into a Q buffer (once q_empty says every consumer is done with that buffer's last job: at D = 128 they
-// hold Q in registers as soon as it lands; at D = 64 S reads it from shared memory until the job's last S, so
-// two buffers alternate), then K and V tiles of BN = 128 keys into a ring of STAGES shared-memory stages, the
-// ring's position carried from job to job. Warpgroups 1..NC are the consumers (setmaxnreg.inc to
-// TmaFwdShape::CONSUMER_REGS: 240 for two, 160 for three), 64 query rows each. Iteration
+// A persistent kernel: one block per SM takes jobs (128 query rows of one head, TmaJob's order) as it
+// frees up: its first is its index, each next one from a ticket counter (atomicAdd by the producer, the
+// job passed to the consumers in shared memory beside Q's barrier), so that a job's first loads overlap
+// the last one's products and output (a block of this size is alone on its SM: its start-up is not
+// hidden by another block's work) and the blocks finish together. 384 threads = three warpgroups.
+// Warpgroup 0 is the producer: it gives up registers (setmaxnreg.dec to kTmaProducerRegs) and one
+// thread issues the TMA loads (cp.async.bulk.tensor, tensor maps built on the host with
+// cuTensorMapEncodeTiled, passed as __grid_constant__ kernel parameters): per job Q's 128 rows (once q_empty says both consumers hold the last job's Q in
+// registers), then K and V tiles of BN = 128 keys into a ring of STAGES shared-memory stages, the
+// ring's position carried from job to job. Warpgroups 1 and 2 are the consumers (setmaxnreg.inc to
+// kTmaConsumerRegs), 64 query rows each, Q's A fragments read once from shared memory. Iteration
 // it issues S(it) = Q·K(it)ᵀ and then O += P(it - 1)·V(it - 1) (wgmma), waits for S only, runs the
 // online softmax of S(it) while the P·V product runs, then waits for it, frees stage it - 1,
 // rescales O and packs P(it) (flash-attention 3's overlap inside a warpgroup).
-// PingPong: the consumers take turns at issuing their products (named barriers 1..NC, the turn passed on
-// to the next as soon as the products are issued), so that one's softmax runs while the others' products
-// do (flash-attention 3's ping-pong and its warp-scheduler barrier for three); without it the warp
-// schedulers interleave them freely.
+// PingPong: the two consumers take turns at issuing their products (named barriers 1 and 2, the
+// turn passed on as soon as the products are issued), so that one's softmax runs while the
+// other's products do (flash-attention 3's ping-pong); without it the warp schedulers interleave
+// the two freely.
 // Synchronisation is by mbarriers with phase bits: full[s] completes when the producer's
 // arrive.expect_tx and the TMA bytes of stage s have landed (the block's K/V tile kv, counted over
-// its jobs, uses stage kv % STAGES, phase (kv / STAGES) & 1); empty[s] completes when all 128 NC consumer threads have arrived after their
+// its jobs, uses stage kv % STAGES, phase (kv / STAGES) & 1); empty[s] completes when all 256 consumer threads have arrived after their
 // products on stage s are done, and the producer waits on it before refilling the stage. TMA writes
 // each 64-column block of a tile with the 128-byte swizzle, which is SwTile's layout, so the wgmma
 // descriptors are the other kernels'. Rows past n_q or n_k arrive as zeros (TMA's out-of-bounds
 // fill) and are masked as in attention_fwd_tc. Dynamic shared memory: the launcher's
 // tma_shared_bytes (TmaFwdShape's tiles and barriers, and 1024 bytes to align them).
 
-constexpr int kTmaThreads = KILN_ATTN_TMA_THREADS;      // the split-tma backwards: producer + 2 consumer warpgroups
-constexpr int kTmaRows = KILN_ATTN_TMA_ROWS;            // their rows a job (2 x 64)
+constexpr int kTmaThreads = KILN_ATTN_TMA_THREADS;      // producer warpgroup + 2 consumer warpgroups
+constexpr int kTmaRows = KILN_ATTN_TMA_ROWS;            // query rows per block (2 x 64)
 constexpr int kTmaKeys = KILN_ATTN_TMA_KEYS;            // keys per K/V tile
 // setmaxnreg's split (multiples of 8 in 24..256, executed by every warp of a warpgroup): the
-// consumers' increase waits until the block's pool (its launch registers x its threads) holds it.
+// consumers' increase waits until the block's pool (its launch registers x 384) holds it.
 constexpr int kTmaProducerRegs = KILN_ATTN_TMA_PRODUCER_REGS;
 constexpr int kTmaConsumerRegs = KILN_ATTN_TMA_CONSUMER_REGS;
 static_assert(kTmaProducerRegs % 8 == 0 && kTmaConsumerRegs % 8 == 0 && kTmaProducerRegs >= 24 &&
                   kTmaConsumerRegs <= 256 && 128 * kTmaProducerRegs + (kTmaThreads - 128) * kTmaConsumerRegs <= 65536,
               "setmaxnreg takes multiples of 8 in 24..256, within the SM's 64K registers");
-constexpr int kTmaTurnBarrier = 1;     // named barriers 1..NC: consumer i's turn (the forward's ping-pong)
+constexpr int kTmaTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and 1's turn (ping-pong)
 constexpr int kTmaConsumerBarrier = 3;  // named barriers 3 and 4: consumer 0's and 1's 128 threads (dK/dV at D 128)
 
 // The forward's block: NC consumer warpgroups of 64 query rows (ROWS a job) beside the producer. At D = 64, three
