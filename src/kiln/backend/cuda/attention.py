@@ -106,11 +106,8 @@ def _dkdv_tiles(env: str = "KILN_ATTENTION_DKDV_TILES") -> dict:
 DKDV_TILES = _dkdv_tiles()
 DKDV_Q = {32: DKDV_TILES[64][0], 64: DKDV_TILES[64][0], 128: DKDV_TILES[128][0]}  # TcShape::dkdv_q
 TMA_HEAD_DIMS = (64, 128)
-TMA_THREADS = 384  # the split-tma backwards: a producer warpgroup and two consumer warpgroups (kTmaThreads)
-TMA_ROWS = 128  # their rows a job, 64 per consumer (kTmaRows)
-# attention_fwd_tma's consumer warpgroups of TC_ROWS query rows, per head dim (TmaFwdShape::NC): three at 64
-# (flash-attention 3's 192-row tiles there; Q read from shared memory), two at 128
-TMA_FWD_CONSUMERS = {64: 3, 128: 2}
+TMA_THREADS = 384  # attention_fwd_tma: a producer warpgroup and two consumer warpgroups (kTmaThreads)
+TMA_ROWS = 128  # query rows per block, 64 per consumer (kTmaRows)
 TMA_KEYS = 128  # keys per K/V tile (kTmaKeys)
 TMA_STAGES = {64: 4, 128: 3}  # K/V stages in shared memory (TmaFwdShape::STAGES)
 # Jobs (row blocks) a resident block per head group (head_group): 4 keeps the most loaded block within
@@ -131,24 +128,6 @@ TMA_CONSUMER_REGS = 240
 BWD_TMA_HEAD_DIMS = (64, 128)
 BWD_TMA_ROWS = 64
 BWD_TMA_STAGES = 4
-
-
-def tma_fwd_rows(d: int) -> int:
-    """attention_fwd_tma's query rows a job (TmaFwdShape::ROWS)."""
-    return TMA_FWD_CONSUMERS[d] * TC_ROWS
-
-
-def tma_fwd_consumer_regs(d: int) -> int:
-    """attention_fwd_tma's consumers' registers a thread after setmaxnreg.inc (TmaFwdShape::CONSUMER_REGS): two
-    consumers take TMA_CONSUMER_REGS, more share what the producer's TMA_PRODUCER_REGS leave of the SM's 64K
-    registers (a multiple of 8: 160 for three)."""
-    nc = TMA_FWD_CONSUMERS[d]
-    return TMA_CONSUMER_REGS if nc == 2 else (65536 - 128 * TMA_PRODUCER_REGS) // (128 * nc) // 8 * 8
-
-
-def tma_fwd_threads(d: int) -> int:
-    """attention_fwd_tma's threads a block: the producer warpgroup and the consumers (TmaFwdShape::THREADS)."""
-    return 128 * (TMA_FWD_CONSUMERS[d] + 1)
 
 
 def _instantiations():
@@ -179,9 +158,6 @@ register_family("attention.cu", _instantiations(), defines={
     "KILN_ATTN_DKDV_BLOCKS": DKDV_TILES[64][1], "KILN_ATTN_DKDV_BLOCKS_D128": DKDV_TILES[128][1],
     "KILN_ATTN_TMA_THREADS": TMA_THREADS, "KILN_ATTN_TMA_ROWS": TMA_ROWS, "KILN_ATTN_TMA_KEYS": TMA_KEYS,
     "KILN_ATTN_TMA_STAGES": TMA_STAGES[64], "KILN_ATTN_TMA_STAGES_D128": TMA_STAGES[128],
-    "KILN_ATTN_TMA_FWD_CONSUMERS": TMA_FWD_CONSUMERS[64], "KILN_ATTN_TMA_FWD_CONSUMERS_D128": TMA_FWD_CONSUMERS[128],
-    "KILN_ATTN_TMA_FWD_CONSUMER_REGS": tma_fwd_consumer_regs(64),
-    "KILN_ATTN_TMA_FWD_CONSUMER_REGS_D128": tma_fwd_consumer_regs(128),
     "KILN_ATTN_TMA_PRODUCER_REGS": TMA_PRODUCER_REGS, "KILN_ATTN_TMA_CONSUMER_REGS": TMA_CONSUMER_REGS,
     "KILN_ATTN_BWD_TMA_ROWS": BWD_TMA_ROWS, "KILN_ATTN_BWD_TMA_STAGES": BWD_TMA_STAGES})
 
@@ -227,13 +203,11 @@ def fused_shared_bytes(d: int) -> int:
 
 
 def tma_shared_bytes(d: int) -> int:
-    """attention_fwd_tma's dynamic shared memory (TmaFwdShape): Q's tile (two buffers where the consumers read
-    it from shared memory, more than two of them), K and V per stage, the mbarriers (q_full and q_empty per Q
-    buffer, full and empty per stage), a job slot per Q buffer, and 1024 bytes to align the base for the
-    swizzle."""
-    stages, q_bufs = TMA_STAGES[d], 2 if TMA_FWD_CONSUMERS[d] > 2 else 1
-    return (q_bufs * tma_fwd_rows(d) * d * 2 + 2 * stages * TMA_KEYS * d * 2 + 8 * (2 * q_bufs + 2 * stages)
-            + 4 * q_bufs + 1024)
+    """attention_fwd_tma's dynamic shared memory: Q's tile, K and V per stage, the mbarriers
+    (q_full, q_empty, full and empty per stage), the job slot, and 1024 bytes to align the base for
+    the swizzle."""
+    stages = TMA_STAGES[d]
+    return TMA_ROWS * d * 2 + 2 * stages * TMA_KEYS * d * 2 + 8 * (2 + 2 * stages) + 8 + 1024
 
 
 def head_group(n_bh: int, n_blocks: int, slots: int) -> int:
@@ -371,7 +345,7 @@ def _tile_maps(q, k, v):
     """The TMA forward's tensor maps of q, k and v; None where TMA cannot address one (a stride of
     0, a broadcast k or v, or one not a multiple of 16 bytes): the one-warpgroup forward reads those."""
     try:
-        return tile_map(q, tma_fwd_rows(q.shape[3])), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS)
+        return tile_map(q, TMA_ROWS), tile_map(k, TMA_KEYS), tile_map(v, TMA_KEYS)
     except ShapeError:
         return None
 
@@ -403,7 +377,7 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     lse = cp.empty((b, h, n_q), dtype=cp.float32)
     variant = fwd_variant() if tc and d in TMA_HEAD_DIMS else "wgmma"
     if variant != "wgmma":
-        jobs = cdiv(n_q, tma_fwd_rows(d)) * b * h  # a persistent kernel: one block per SM walks the jobs
+        jobs = cdiv(n_q, TMA_ROWS) * b * h  # a persistent kernel: one block per SM walks the jobs
         if jobs == 0:  # no query rows: nothing to launch, and TMA cannot map an empty dimension
             return out, lse
         maps = _tile_maps(q, k, v)
@@ -413,9 +387,9 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
             rt.stream()  # the memset below is CuPy's: on kiln's stream, so a captured step zeroes every replay
             ticket = cp.zeros((1,), dtype=cp.int32)
             get_kernel("attention.cu", f"attention_fwd_tma<{t}, {d}, {pingpong}>")(
-                (min(jobs, sms),), (tma_fwd_threads(d),),
+                (min(jobs, sms),), (TMA_THREADS,),
                 (*maps, out, lse, ticket, i32(n_q), i32(n_k), i32(off), i32(h), i32(b * h),
-                 i32(head_group(b * h, cdiv(n_q, tma_fwd_rows(d)), sms)), f32(scale), *_args(_strides(out))),
+                 i32(head_group(b * h, cdiv(n_q, TMA_ROWS), sms)), f32(scale), *_args(_strides(out))),
                 shared_mem=tma_shared_bytes(d))
             return out, lse
     shared = 0

@@ -953,10 +953,8 @@ __device__ __forceinline__ void frag_store(T* __restrict__ dst, int ld, const fl
             quad_transpose(lo, c);  // lane c: columns (j0 + c) * 8 + 0..7 of its rows
             quad_transpose(hi, c);
             const int col = (j0 + c) * 8;
-            if ((unsigned)r_lo < (unsigned)n)
-                *reinterpret_cast<uint4*>(dst + (r_lo * ld + col)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-            if ((unsigned)r_hi < (unsigned)n)
-                *reinterpret_cast<uint4*>(dst + (r_hi * ld + col)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            if (r_lo < n) *reinterpret_cast<uint4*>(dst + (r_lo * ld + col)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            if (r_hi < n) *reinterpret_cast<uint4*>(dst + (r_hi * ld + col)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
         }
     } else {
 #pragma unroll
@@ -1146,23 +1144,6 @@ template <> struct WgmmaSS<__half, 64> {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
                      : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3])
-                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
-    }
-};
-
-template <> struct WgmmaSS<__nv_bfloat16, 128> {
-    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[16][4], u64 adesc, u64 bdesc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67;\n}\n"
-                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3]), "+f"(c[8][0]), "+f"(c[8][1]), "+f"(c[8][2]), "+f"(c[8][3]), "+f"(c[9][0]), "+f"(c[9][1]), "+f"(c[9][2]), "+f"(c[9][3]), "+f"(c[10][0]), "+f"(c[10][1]), "+f"(c[10][2]), "+f"(c[10][3]), "+f"(c[11][0]), "+f"(c[11][1]), "+f"(c[11][2]), "+f"(c[11][3]), "+f"(c[12][0]), "+f"(c[12][1]), "+f"(c[12][2]), "+f"(c[12][3]), "+f"(c[13][0]), "+f"(c[13][1]), "+f"(c[13][2]), "+f"(c[13][3]), "+f"(c[14][0]), "+f"(c[14][1]), "+f"(c[14][2]), "+f"(c[14][3]), "+f"(c[15][0]), "+f"(c[15][1]), "+f"(c[15][2]), "+f"(c[15][3])
-                     : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
-    }
-};
-template <> struct WgmmaSS<__half, 128> {
-    template <int TA, int TB> static __device__ __forceinline__ void run(float (&c)[16][4], u64 adesc, u64 bdesc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %66, %67;\n}\n"
-                     : "+f"(c[0][0]), "+f"(c[0][1]), "+f"(c[0][2]), "+f"(c[0][3]), "+f"(c[1][0]), "+f"(c[1][1]), "+f"(c[1][2]), "+f"(c[1][3]), "+f"(c[2][0]), "+f"(c[2][1]), "+f"(c[2][2]), "+f"(c[2][3]), "+f"(c[3][0]), "+f"(c[3][1]), "+f"(c[3][2]), "+f"(c[3][3]), "+f"(c[4][0]), "+f"(c[4][1]), "+f"(c[4][2]), "+f"(c[4][3]), "+f"(c[5][0]), "+f"(c[5][1]), "+f"(c[5][2]), "+f"(c[5][3]), "+f"(c[6][0]), "+f"(c[6][1]), "+f"(c[6][2]), "+f"(c[6][3]), "+f"(c[7][0]), "+f"(c[7][1]), "+f"(c[7][2]), "+f"(c[7][3]), "+f"(c[8][0]), "+f"(c[8][1]), "+f"(c[8][2]), "+f"(c[8][3]), "+f"(c[9][0]), "+f"(c[9][1]), "+f"(c[9][2]), "+f"(c[9][3]), "+f"(c[10][0]), "+f"(c[10][1]), "+f"(c[10][2]), "+f"(c[10][3]), "+f"(c[11][0]), "+f"(c[11][1]), "+f"(c[11][2]), "+f"(c[11][3]), "+f"(c[12][0]), "+f"(c[12][1]), "+f"(c[12][2]), "+f"(c[12][3]), "+f"(c[13][0]), "+f"(c[13][1]), "+f"(c[13][2]), "+f"(c[13][3]), "+f"(c[14][0]), "+f"(c[14][1]), "+f"(c[14][2]), "+f"(c[14][3]), "+f"(c[15][0]), "+f"(c[15][1]), "+f"(c[15][2]), "+f"(c[15][3])
                      : "l"(adesc), "l"(bdesc), "n"(TA), "n"(TB), "r"(acc));
     }
 };
@@ -1657,29 +1638,14 @@ static_assert(kTmaProducerRegs % 8 == 0 && kTmaConsumerRegs % 8 == 0 && kTmaProd
 constexpr int kTmaTurnBarrier = 1;     // named barriers 1 and 2: consumer 0's and 1's turn (ping-pong)
 constexpr int kTmaConsumerBarrier = 3;  // named barriers 3 and 4: consumer 0's and 1's 128 threads (dK/dV at D 128)
 
-// The forward's block: NC consumer warpgroups of 64 query rows (ROWS a job) beside the producer. At D = 64, three
-// (flash-attention 3's 192 x 128 tiling there): the scores' products are short (a reduction of 64), so a third
-// warpgroup's softmax keeps the tensor cores fed; their registers (the pool of 512 threads) then do not also
-// hold Q, so S = Q·Kᵀ reads Q from its tile in shared memory, which stays until the job's last S: two Q
-// buffers, the next job's Q loading into one while this job's is read. At D = 128 two, Q in registers, one buffer.
 template <int D> struct TmaFwdShape {
     static constexpr int STAGES = D >= 128 ? KILN_ATTN_TMA_STAGES_D128 : KILN_ATTN_TMA_STAGES;
-    static constexpr int NC = D >= 128 ? KILN_ATTN_TMA_FWD_CONSUMERS_D128 : KILN_ATTN_TMA_FWD_CONSUMERS;
-    static constexpr int ROWS = NC * kTcRows;
-    static constexpr int THREADS = 128 * (NC + 1);
-    static constexpr bool Q_SMEM = NC > 2;
-    static constexpr int Q_BUFS = Q_SMEM ? 2 : 1;
-    // setmaxnreg's split of the block's pool (its launch registers x THREADS): the producer gives down to
-    // kTmaProducerRegs, the consumers take the rest (the launcher's tma_fwd_consumer_regs)
-    static constexpr int CONSUMER_REGS = D >= 128 ? KILN_ATTN_TMA_FWD_CONSUMER_REGS_D128 : KILN_ATTN_TMA_FWD_CONSUMER_REGS;
-    static_assert(CONSUMER_REGS % 8 == 0 && CONSUMER_REGS <= 256 && 128 * kTmaProducerRegs + 128 * NC * CONSUMER_REGS <= 65536,
-                  "setmaxnreg takes multiples of 8 in 24..256, within the SM's 64K registers");
-    static constexpr int Q_BYTES = SwTile<ROWS, D>::BYTES;
+    static constexpr int Q_BYTES = SwTile<kTmaRows, D>::BYTES;
     static constexpr int KV_BYTES = SwTile<kTmaKeys, D>::BYTES;
-    // Q's buffers, then per stage K and V, then the mbarriers (q_full[Q_BUFS], q_empty[Q_BUFS], full[STAGES],
-    // empty[STAGES]), then the job the producer took for each Q buffer (an int each).
-    static constexpr int BAR_OFFSET = Q_BUFS * Q_BYTES + 2 * STAGES * KV_BYTES;
-    static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * Q_BUFS + 2 * STAGES);
+    // Q, then per stage K and V, then the mbarriers (q_full, q_empty, full[STAGES], empty[STAGES]), then
+    // the job the producer took (an int).
+    static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
+    static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 + 2 * STAGES);
 };
 
 // A CUtensorMap: 128 opaque bytes, 64-byte aligned, passed by value as a __grid_constant__ parameter.
@@ -1748,21 +1714,18 @@ __device__ __forceinline__ void frag_load_a_smem(u32 (&a)[D / 16][4], u32 tile, 
     }
 }
 
-// One job of a persistent block: query rows [m0, m0 + ROWS) of head bh (= b * n_h + h) against
+// One job of a persistent block: query rows [m0, m0 + kTmaRows) of head bh (= b * n_h + h) against
 // its n_tiles key tiles of BN keys (the forward's kTmaKeys, the dQ kernel's streamed rows); job w in
 // GroupedJob's order (rank 0: the last rows, which see the most keys).
-// EndAligned (the forward): the row blocks end at n_q (m0 = n_q - (rank + 1) ROWS), so where ROWS does not divide
-// n_q the short block is the first, whose rows see the fewest keys, and its rows before 0 are idle (zeros from
-// TMA, never stored), where the last block, the longest, would otherwise run with rows past n_q.
-template <int BN, int ROWS = kTmaRows, bool EndAligned = false> struct TmaJob {
+template <int BN> struct TmaJob {
     int bh, b, h, m0, n_tiles;
     __device__ __forceinline__ TmaJob(int w, int n_bh, int n_mb, int group, int n_h, int n_q, int n_k, int off) {
         const GroupedJob jb(w, n_bh, n_mb, group);
         bh = jb.bh;
         b = bh / n_h;
         h = bh % n_h;
-        m0 = EndAligned ? n_q - (jb.rank + 1) * ROWS : (n_mb - 1 - jb.rank) * ROWS;
-        const int k_end = min(n_k, min(m0 + ROWS, n_q) - 1 + off + 1);  // keys some row of the job sees
+        m0 = (n_mb - 1 - jb.rank) * kTmaRows;
+        const int k_end = min(n_k, min(m0 + kTmaRows, n_q) - 1 + off + 1);  // keys some row of the job sees
         n_tiles = (k_end - 1) / BN + 1;
     }
 };
@@ -1830,51 +1793,28 @@ __device__ __forceinline__ void tma_softmax_tile(float (&sc)[BN / 8][4], int n0,
     l_hi = l_hi * a_hi + Tree<BN / 8>::sum(t_hi);
 }
 
-// A warpgroup's own rows as a product's A operand (Q in the TMA forward, K and V in the dK/dV kernel with TMA):
-// this warp's fragments in registers, or the rows' shared address in their tile.
-template <bool Smem, int D> struct KeyRowsOf {
-    using type = u32[D / 16][4];
-};
-template <int D> struct KeyRowsOf<true, D> {
-    using type = u32;
-};
-
-// S = Q·Kᵀ of a consumer's 64 rows against the K tile at kb, overwriting sc (issued, not waited for): Q as this
-// warp's A fragments, or (TmaFwdShape::Q_SMEM) from the job's Q tile in shared memory, the consumer's rows at qa.
-template <typename T, int BN, int D, int ROWS>
-__device__ __forceinline__ void scores_issue(float (&sc)[BN / 8][4], const u32 (&qa)[D / 16][4], u32 kb) {
-    wg_issue<T, BN, D, BN, D, 0, true>(sc, qa, kb);
-}
-template <typename T, int BN, int D, int ROWS>
-__device__ __forceinline__ void scores_issue(float (&sc)[BN / 8][4], u32 qa, u32 kb) {
-    wg_issue_ss<T, BN, D, SwTile<ROWS, D>, SwTile<BN, D>, 0, 0>(sc, qa, kb, 0);
-}
-
 template <typename T, int D, bool PingPong>
-__global__ void __launch_bounds__(TmaFwdShape<D>::THREADS, 1)
+__global__ void __launch_bounds__(kTmaThreads, 1)
     attention_fwd_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                       const __grid_constant__ TmaMap v_map, T* __restrict__ out, float* __restrict__ lse,
                       int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, int group, float scale,
                       KILN_LAYOUT(o)) {
     constexpr int BN = kTmaKeys;
     using Shape = TmaFwdShape<D>;
-    using Job = TmaJob<BN, Shape::ROWS, true>;
-    constexpr int S = Shape::STAGES, NC = Shape::NC, ROWS = Shape::ROWS, QB = Shape::Q_BUFS;
+    constexpr int S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
-    const u32 qs = base, ks = base + QB * Shape::Q_BYTES, vs = ks + S * Shape::KV_BYTES;
-    const u32 q_full = base + Shape::BAR_OFFSET, q_empty = q_full + 8 * QB, full = q_empty + 8 * QB, empty = full + 8 * S;
-    const u32 job_slot = base + Shape::JOB_OFFSET;  // an int per Q buffer
-    const int n_mb = (n_q + ROWS - 1) / ROWS, n_work = n_mb * n_bh;
+    const u32 qs = base, ks = base + Shape::Q_BYTES, vs = ks + S * Shape::KV_BYTES;
+    const u32 q_full = base + Shape::BAR_OFFSET, q_empty = q_full + 8, full = q_empty + 8, empty = full + 8 * S;
+    const u32 job_slot = base + Shape::JOB_OFFSET;
+    const int n_mb = (n_q + kTmaRows - 1) / kTmaRows, n_work = n_mb * n_bh;
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        for (int b = 0; b < QB; ++b) {
-            mbar_init(q_full + 8 * b, 1);
-            mbar_init(q_empty + 8 * b, 128 * NC);
-        }
+        mbar_init(q_full, 1);
+        mbar_init(q_empty, kTmaThreads - 128);
         for (int s = 0; s < S; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 128 * NC);
+            mbar_init(empty + 8 * s, kTmaThreads - 128);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -1886,18 +1826,16 @@ __global__ void __launch_bounds__(TmaFwdShape<D>::THREADS, 1)
         for (int job = 0;; ++job) {
             // the block's first job is its index (the grid is at most n_work blocks), the next ones from the ticket
             const int w = job == 0 ? blockIdx.x : gridDim.x + atomicAdd(ticket, 1);
-            // Q buffer job % QB is free: every consumer is done with the Q (and the w) of job - QB
-            const u32 qf = q_full + 8 * (job % QB), slot = job_slot + 4 * (job % QB);
-            mbar_wait(q_empty + 8 * (job % QB), ((job / QB) & 1) ^ 1);
+            mbar_wait(q_empty, (job & 1) ^ 1);  // both consumers hold the last job's Q in registers (and read its w)
             // w for the consumers: the arrive on q_full below releases it, their wait on q_full acquires it
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot), "r"(w) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(job_slot), "r"(w) : "memory");
             if (w >= n_work) {  // no jobs left: the consumers see w and stop
-                mbar_arrive(qf);
+                mbar_arrive(q_full);
                 return;
             }
-            const Job jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
-            mbar_expect_tx(qf, Shape::Q_BYTES);
-            tma_tile<ROWS, D>(qs + (job % QB) * Shape::Q_BYTES, q_map, jb.m0, jb.h, jb.b, qf);
+            const TmaJob<BN> jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
+            mbar_expect_tx(q_full, Shape::Q_BYTES);
+            tma_tile<kTmaRows, D>(qs, q_map, jb.m0, jb.h, jb.b, q_full);
             for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
                 const int s = kv % S;
                 mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
@@ -1907,31 +1845,25 @@ __global__ void __launch_bounds__(TmaFwdShape<D>::THREADS, 1)
             }
         }
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Shape::CONSUMER_REGS));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kTmaConsumerRegs));
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) - 4, g = lane >> 2, c = lane & 3;
     const float sl2 = scale * kLog2e;
-    const int me = wg - 1;  // consumer me: rows 64 me .. 64 me + 63 of a job
-    if (PingPong && me == NC - 1) named_arrive(kTmaTurnBarrier, 256);  // consumer 0 takes the first turn
+    const int me = wg - 1;  // consumer 0 (rows 0-63 of a job) or 1 (rows 64-127)
+    if (PingPong && me == 1) named_arrive(kTmaTurnBarrier, 256);  // consumer 0 takes the first turn
     int kv = 0;  // K/V tiles consumed so far, in the producer's order
     for (int job = 0;; ++job) {
-        const u32 q_buf = qs + (job % QB) * Shape::Q_BYTES;
-        mbar_wait(q_full + 8 * (job % QB), (job / QB) & 1);
+        mbar_wait(q_full, job & 1);
         int w;
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w) : "r"(job_slot + 4 * (job % QB)) : "memory");
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w) : "r"(job_slot) : "memory");
         if (w >= n_work) break;
-        const Job jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
-        // rows before 0 (the first row block, EndAligned) see no key at off = 0 and are never stored
+        const TmaJob<BN> jb(w, n_bh, n_mb, group, n_h, n_q, n_k, off);
         const int row0 = jb.m0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
-        typename KeyRowsOf<Shape::Q_SMEM, D>::type qa;
-        if constexpr (Shape::Q_SMEM) {
-            qa = q_buf + me * kTcRows * SwTile<ROWS, D>::SW;  // this consumer's rows of the tile, read by wgmma
-        } else {
-            frag_load_a_smem<ROWS, D>(qa, q_buf, warp * 16);
-            // Q was read through the generic proxy and the producer's next TMA rewrites it through the async
-            // one: the memory model asks for a proxy fence between them (the mbarrier alone orders the threads)
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(q_empty);
-        }
+        u32 qa[D / 16][4];
+        frag_load_a_smem<kTmaRows, D>(qa, qs, warp * 16);
+        // Q was read through the generic proxy and the producer's next TMA rewrites it through the async
+        // one: the memory model asks for a proxy fence between them (the mbarrier alone orders the threads)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_arrive(q_empty);
         float o[D / 8][4];
         zero_acc(o);
         u32 pa[BN / 16][4];  // P(it - 1), the A operand of the product issued with S(it)
@@ -1942,8 +1874,8 @@ __global__ void __launch_bounds__(TmaFwdShape<D>::THREADS, 1)
             float sc[BN / 8][4];  // S = Q·Kᵀ overwrites it
             mbar_wait(full + 8 * (kv % S), (kv / S) & 1);
             if (PingPong) named_sync(kTmaTurnBarrier + me, 256);  // this consumer's turn at the tensor cores
-            scores_issue<T, BN, D, ROWS>(sc, qa, ks + (kv % S) * Shape::KV_BYTES);
-            if (PingPong) named_arrive(kTmaTurnBarrier + (me + 1) % NC, 256);
+            wg_issue<T, BN, D, BN, D, 0, true>(sc, qa, ks + (kv % S) * Shape::KV_BYTES);
+            if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<0>();
             fence_regs(sc);
             tma_softmax_tile<BN>(sc, 0, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
@@ -1954,9 +1886,9 @@ __global__ void __launch_bounds__(TmaFwdShape<D>::THREADS, 1)
             float sc[BN / 8][4];
             mbar_wait(full + 8 * st, ((kv + it) / S) & 1);
             if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
-            scores_issue<T, BN, D, ROWS>(sc, qa, ks + st * Shape::KV_BYTES);
+            wg_issue<T, BN, D, BN, D, 0, true>(sc, qa, ks + st * Shape::KV_BYTES);
             wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + prev * Shape::KV_BYTES);
-            if (PingPong) named_arrive(kTmaTurnBarrier + (me + 1) % NC, 256);
+            if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
             wg_wait<1>();  // S(it) is done; P(it - 1)·V(it - 1) may still run
             fence_regs(sc);
             tma_softmax_tile<BN>(sc, it * BN, row0, r_lo, r_hi, c, off, n_k, sl2, m_lo, m_hi, l_lo, l_hi, a_lo,
@@ -1973,11 +1905,10 @@ __global__ void __launch_bounds__(TmaFwdShape<D>::THREADS, 1)
             }
             c_to_a<T, BN>(pa, sc);
         }
-        if constexpr (Shape::Q_SMEM) mbar_arrive(q_empty + 8 * (job % QB));  // the job's last S is done: Q's buffer is free
         const int last = (kv + jb.n_tiles - 1) % S;
         if (PingPong) named_sync(kTmaTurnBarrier + me, 256);
         wg_issue<T, D, BN, BN, D, 1>(o, pa, vs + last * Shape::KV_BYTES);
-        if (PingPong) named_arrive(kTmaTurnBarrier + (me + 1) % NC, 256);
+        if (PingPong) named_arrive(kTmaTurnBarrier + (me ^ 1), 256);
         wg_wait<0>();
         fence_regs(o);
         mbar_arrive(empty + 8 * last);
@@ -1991,11 +1922,11 @@ __global__ void __launch_bounds__(TmaFwdShape<D>::THREADS, 1)
                                1.0f / l_hi);
         if (c == 0) {
             const long long lb = (long long)jb.bh * n_q;
-            if ((unsigned)r_lo < (unsigned)n_q) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
-            if ((unsigned)r_hi < (unsigned)n_q) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
+            if (r_lo < n_q) lse[lb + r_lo] = (m_lo + log2f(l_lo)) * kLn2;
+            if (r_hi < n_q) lse[lb + r_hi] = (m_hi + log2f(l_hi)) * kLn2;
         }
     }
-    if (PingPong && me == 0) named_sync(kTmaTurnBarrier, 256);  // the last consumer's last turn passed on: none left
+    if (PingPong && me == 0) named_sync(kTmaTurnBarrier, 256);  // consumer 1's last turn passed on: none left
 }
 
 // ---- The split backward with TMA and warp specialisation (KILN_ATTENTION_BWD=split-tma) ----------------
@@ -2026,6 +1957,14 @@ template <int D> struct TmaBwdShape {
     static constexpr int VEC_OFFSET = KV_OFFSET + (KV_SMEM ? 2 * 2 * KV_TILE_BYTES : 0);
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
     static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 2);
+};
+
+// key_rows_issue's A operand: K's (V's) fragments in registers, or its tile's shared address.
+template <bool Smem, int D> struct KeyRowsOf {
+    using type = u32[D / 16][4];
+};
+template <int D> struct KeyRowsOf<true, D> {
+    using type = u32;
 };
 
 // One job of a persistent dK/dV block: keys [n0, n0 + kTmaRows) of head bh (= b * n_h + h) against the n_tiles
