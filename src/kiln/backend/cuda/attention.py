@@ -38,7 +38,8 @@ KILN_ATTENTION_BWD=split-tma (head dims 64 and 128) is split with both kernels i
 (`attention_bwd_dkdv_tma`, `attention_bwd_dq_tma`: persistent, one block an SM taking jobs from a ticket; a
 producer warpgroup loads the streamed tiles by TMA into a ring of stages, Q and dO for dK/dV (its warp 1 their
 lse and delta), K and V for dQ; two consumer warpgroups of 64 rows share every stage, so a tile crosses into
-shared memory once for 128 rows). Its dQ kernel runs first and forms delta itself (rowsum(dO·O) from its
+shared memory once for 128 rows; at head dim 64 the producer also loads each job's own rows by TMA, K and V or
+Q, dO and O, while the consumers finish the job before). Its dQ kernel runs first and forms delta itself (rowsum(dO·O) from its
 consumers' dO and O fragments, written for dK/dV): no delta kernel. Bitwise repeatable too. On an H100
 (2026-12-07) it took 0.89-0.92x split's time at every D = 64 shape measured (T 512-16384), 0.79x at the three
 D = 128 shapes; one job a block (before the ticket) it lost at T <= 1024. At head dim 128 the dK/dV kernel's
@@ -335,10 +336,11 @@ def _mask_offset(q, k, causal: bool, offset: int) -> int:
 
 def bwd_tma_shared_bytes(d: int) -> int:
     """The split-tma kernels' dynamic shared memory (TmaBwdShape): per stage two tiles of BWD_TMA_ROWS rows
-    and (dK/dV's) their lse and delta, at head dim 128 the consumers' K and V tiles (dK/dV's), the stages' full
-    and empty mbarriers, the job hand-over's two mbarriers and its slot, and 1024 bytes to align the tiles."""
-    kv_tiles = 2 * 2 * TC_ROWS * d * 2 if d >= 128 else 0
-    return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + kv_tiles + 2 * 8 + 8 + 1024
+    and (dK/dV's) their lse and delta, at head dim 128 the consumers' K and V tiles (dK/dV's) or below it three
+    tiles of a job's TMA_ROWS rows (dQ's Q, dO and O; dK/dV's K and V), the stages' full and empty mbarriers,
+    the job hand-over's and the rows' two mbarriers each, the job slot, and 1024 bytes to align the tiles."""
+    own_tiles = 2 * 2 * TC_ROWS * d * 2 if d >= 128 else 3 * TMA_ROWS * d * 2
+    return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + own_tiles + 4 * 8 + 8 + 1024
 
 
 def _tile_maps(q, k, v):
@@ -351,8 +353,9 @@ def _tile_maps(q, k, v):
 
 
 def _bwd_tile_maps(*arrays):
-    """The split-tma kernels' tensor maps of the operands they stream (q and grad for dK/dV, k and v for dQ;
-    tiles of BWD_TMA_ROWS rows); None where TMA cannot address one: the one-warpgroup kernels run then."""
+    """The split-tma kernels' tensor maps (boxes of BWD_TMA_ROWS rows) of the operands they stream (q and grad
+    for dK/dV, k and v for dQ) and of their jobs' own rows (k and v; q, grad and out); None where TMA cannot
+    address one: the one-warpgroup kernels run then."""
     try:
         return tuple(tile_map(a, BWD_TMA_ROWS) for a in arrays)
     except ShapeError:
@@ -429,20 +432,21 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     (dk, dv), dkvs = _destinations(None if into is None else into[1:], k, 2)
     delta = cp.empty((b, h, n_q), dtype=cp.float32)
     variant = bwd_kernels(tc, d)
-    maps = _bwd_tile_maps(q, grad, k, v) if variant == "split-tma" and n_q and n_k else None
+    maps = _bwd_tile_maps(q, grad, k, v, out) if variant == "split-tma" and n_q and n_k else None
     if maps is not None:  # dQ first: its consumers form delta from their dO and O fragments, which dK/dV reads
-        q_map, g_map, k_map, v_map = maps
+        q_map, g_map, k_map, v_map, o_map = maps
         n_qb, n_kb, sms = cdiv(n_q, TMA_ROWS), cdiv(n_k, TMA_ROWS), rt.sm_count()
         ints = (i32(n_q), i32(n_k), i32(off), i32(h), i32(b * h), f32(scale))
         rt.stream()  # the memset below is CuPy's: on kiln's stream, so a captured step zeroes every replay
         tickets = cp.zeros((2,), dtype=cp.int32)  # a ticket a kernel: persistent, as the forward
         get_kernel("attention.cu", f"attention_bwd_dq_tma<{t}, {d}>")(
             (min(n_qb * b * h, sms),), (TMA_THREADS,),
-            (k_map, v_map, q, grad, out, lse, delta, dq, tickets, *ints, *_args(qs, gs, os_, dqs),
+            (k_map, v_map, q_map, g_map, o_map, q, grad, out, lse, delta, dq, tickets, *ints,
+             *_args(qs, gs, os_, dqs),
              i32(head_group(b * h, n_qb, sms))), shared_mem=bwd_tma_shared_bytes(d))
         get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
             (min(n_kb * b * h, sms),), (TMA_THREADS,),
-            (q_map, g_map, k, v, lse, delta, dk, dv, tickets[1:], *ints, *_args(kvs, dkvs),
+            (q_map, g_map, k_map, v_map, k, v, lse, delta, dk, dv, tickets[1:], *ints, *_args(kvs, dkvs),
              i32(head_group(b * h, n_kb, sms))), shared_mem=bwd_tma_shared_bytes(d))
         return _fill(into, (dq, dk, dv))
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(

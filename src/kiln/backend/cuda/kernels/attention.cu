@@ -1947,16 +1947,22 @@ template <int D> struct TmaBwdShape {
     static constexpr int STAGES = KILN_ATTN_BWD_TMA_STAGES;
     static constexpr int TILE_BYTES = SwTile<ROWS, D>::BYTES;
     static constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // Q and dO, or K and V
-    // The stages, then (dK/dV at D >= 128, KV_SMEM) the two consumers' K and V tiles (SwTile<kTcRows, D> each),
-    // then (dK/dV) the lse and delta of each stage ([STAGES][2][ROWS] floats), then the mbarriers (full[STAGES],
-    // empty[STAGES], job_full, job_empty), then the job the producer took (an int); the launcher's
-    // bwd_tma_shared_bytes adds 1024 for the alignment.
+    // The stages, then (dK/dV at D >= 128, KV_SMEM) the two consumers' K and V tiles (SwTile<kTcRows, D> each)
+    // or (D < 128, ROWS_SMEM) the job's own rows' tiles (SwTile<kTmaRows, D>: Q, dO and O for dQ, K and V for
+    // dK/dV), then (dK/dV) the lse and delta of each stage ([STAGES][2][ROWS] floats), then the mbarriers
+    // (full[STAGES], empty[STAGES], job_full, job_empty, rows_full, rows_empty), then the job the producer took
+    // (an int); the launcher's bwd_tma_shared_bytes adds 1024 for the alignment.
     static constexpr bool KV_SMEM = D >= 128;
     static constexpr int KV_TILE_BYTES = SwTile<kTcRows, D>::BYTES;
-    static constexpr int KV_OFFSET = STAGES * STAGE_BYTES;
-    static constexpr int VEC_OFFSET = KV_OFFSET + (KV_SMEM ? 2 * 2 * KV_TILE_BYTES : 0);
+    // The job's own rows by TMA, loaded by the producer while the consumers finish the job before: the
+    // consumers' fragments then come from shared memory at a job's start, not from global memory (each job's
+    // first products waited on those loads). Where they fit: at D = 128 the stages and K/V tiles fill it.
+    static constexpr bool ROWS_SMEM = !KV_SMEM;
+    static constexpr int ROWS_TILE_BYTES = SwTile<kTmaRows, D>::BYTES;
+    static constexpr int KV_OFFSET = STAGES * STAGE_BYTES;  // the consumers' K/V tiles, or the job's rows
+    static constexpr int VEC_OFFSET = KV_OFFSET + (KV_SMEM ? 2 * 2 * KV_TILE_BYTES : ROWS_SMEM ? 3 * ROWS_TILE_BYTES : 0);
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
-    static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 2);
+    static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 4);
 };
 
 // key_rows_issue's A operand: K's (V's) fragments in registers, or its tile's shared address.
@@ -1966,6 +1972,18 @@ template <bool Smem, int D> struct KeyRowsOf {
 template <int D> struct KeyRowsOf<true, D> {
     using type = u32;
 };
+
+// Rows [r0, r0 + R) of an operand (its tensor map, boxes of BR rows) into the SwTile<R, D> at dst: R / BR boxes
+// per 64-column block, completing bar's transaction bytes.
+template <int R, int BR, int D>
+__device__ __forceinline__ void tma_rows(u32 dst, const TmaMap& map, int r0, int h, int b, u32 bar) {
+    using Tile = SwTile<R, D>;
+#pragma unroll
+    for (int cb = 0; cb < D / Tile::CW; ++cb)
+#pragma unroll
+        for (int i = 0; i < R / BR; ++i)
+            tma_load_4d(dst + cb * R * Tile::SW + i * BR * Tile::SW, map, cb * Tile::CW, r0 + i * BR, h, b, bar);
+}
 
 // One job of a persistent dK/dV block: keys [n0, n0 + kTmaRows) of head bh (= b * n_h + h) against the n_tiles
 // query tiles of BQ rows from q_begin that see some of them; job w in GroupedJob's order (rank 0: the first keys,
@@ -2013,6 +2031,7 @@ __device__ __forceinline__ int bwd_read_job(int job, u32 job_full, u32 job_empty
 template <typename T, int D>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dkdv_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
+                           const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map,
                            const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                            int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, float scale,
@@ -2022,6 +2041,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
+    const u32 rows_full = job_empty + 8, rows_empty = rows_full + 8, rows = base + Shape::KV_OFFSET;
     const u32 job_slot = base + Shape::JOB_OFFSET;
     float* const vec = reinterpret_cast<float*>(dsmem + (base - smem_addr(dsmem)) + Shape::VEC_OFFSET);
     const int n_kb = (n_k + kTmaRows - 1) / kTmaRows, n_work = n_kb * n_bh;
@@ -2033,6 +2053,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
         mbar_init(job_full, 1);
         mbar_init(job_empty, kTmaThreads - 128 + 32);  // the consumers and the producer's warp 1
+        mbar_init(rows_full, 1);
+        mbar_init(rows_empty, kTmaThreads - 128);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -2047,6 +2069,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             if (w >= n_work) return;
             const TmaKeyJob<BQ> jb(w, n_bh, n_kb, group, n_h, n_q, off);
             if (threadIdx.x == 0) {
+                if constexpr (Shape::ROWS_SMEM) {  // the job's keys: K and V, once the consumers hold the last job's
+                    mbar_wait(rows_empty, (job & 1) ^ 1);
+                    mbar_expect_tx(rows_full, 2 * Shape::ROWS_TILE_BYTES);
+                    tma_rows<kTmaRows, BQ, D>(rows, k_map, jb.n0, jb.h, jb.b, rows_full);
+                    tma_rows<kTmaRows, BQ, D>(rows + Shape::ROWS_TILE_BYTES, v_map, jb.n0, jb.h, jb.b, rows_full);
+                }
                 for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
                     const int s = kv % S;
                     mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
@@ -2096,8 +2124,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // for wgmma's reads
             named_sync(kTmaConsumerBarrier + wg - 1, 128);
         } else {
-            frag_load_a<T, D>(ka, k + kvbase, (int)kv_st, key0, n_k);
-            frag_load_a<T, D>(va, v + kvbase, (int)kv_st, key0, n_k);
+            // this warp's rows of the job's K and V tiles (zeros past n_k: TMA's fill)
+            const int r = key0 - jb.n0;
+            mbar_wait(rows_full, job & 1);
+            frag_load_a_smem<kTmaRows, D>(ka, rows, r);
+            frag_load_a_smem<kTmaRows, D>(va, rows + Shape::ROWS_TILE_BYTES, r);
+            // read through the generic proxy, rewritten by the producer's next TMA (the async proxy)
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            mbar_arrive(rows_empty);
         }
         float dk_acc[D / 8][4], dv_acc[D / 8][4];
         zero_acc(dk_acc);
@@ -2137,7 +2171,8 @@ template <typename T> __device__ __forceinline__ float dot2(u32 a, u32 b) {
 template <typename T, int D>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dq_tma(const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map,
-                         const T* __restrict__ q, const T* __restrict__ grad, const T* __restrict__ out,
+                         const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
+                         const __grid_constant__ TmaMap o_map, const T* __restrict__ q, const T* __restrict__ grad, const T* __restrict__ out,
                          const float* __restrict__ lse, float* __restrict__ delta, T* __restrict__ dq,
                          int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, float scale,
                          KILN_LAYOUT(q), KILN_LAYOUT(o), KILN_LAYOUT(out), KILN_LAYOUT(dq), int group) {
@@ -2146,6 +2181,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
+    const u32 rows_full = job_empty + 8, rows_empty = rows_full + 8, rows = base + Shape::KV_OFFSET;
     const u32 job_slot = base + Shape::JOB_OFFSET;
     const int n_qb = (n_q + kTmaRows - 1) / kTmaRows, n_work = n_qb * n_bh;
     const int wg = threadIdx.x / 128;
@@ -2156,6 +2192,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
         mbar_init(job_full, 1);
         mbar_init(job_empty, kTmaThreads - 128);
+        mbar_init(rows_full, 1);
+        mbar_init(rows_empty, kTmaThreads - 128);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -2167,6 +2205,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             const int w = bwd_take_job(job, ticket, job_full, job_empty, job_slot);
             if (w >= n_work) return;
             const TmaJob<BN> jb(w, n_bh, n_qb, group, n_h, n_q, n_k, off);
+            if constexpr (Shape::ROWS_SMEM) {  // the job's queries: Q, dO and O, once the consumers hold the last job's
+                mbar_wait(rows_empty, (job & 1) ^ 1);
+                mbar_expect_tx(rows_full, 3 * Shape::ROWS_TILE_BYTES);
+                tma_rows<kTmaRows, BN, D>(rows, q_map, jb.m0, jb.h, jb.b, rows_full);
+                tma_rows<kTmaRows, BN, D>(rows + Shape::ROWS_TILE_BYTES, g_map, jb.m0, jb.h, jb.b, rows_full);
+                tma_rows<kTmaRows, BN, D>(rows + 2 * Shape::ROWS_TILE_BYTES, o_map, jb.m0, jb.h, jb.b, rows_full);
+            }
             for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
                 const int s = kv % S;
                 mbar_wait(empty + 8 * s, ((kv / S) & 1) ^ 1);  // the consumers are done with tile kv - S
@@ -2189,16 +2234,27 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int row0 = wg_row0 + warp * 16, r_lo = row0 + g, r_hi = r_lo + 8;
         // keys this warpgroup's rows see (none where they all lie past n_q)
         const int wg_k_end = wg_row0 < n_q ? min(n_k, min(wg_row0 + kTcRows, n_q) - 1 + off + 1) : 0;
-        u32 qa[D / 16][4], ga[D / 16][4];
-        frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
-        frag_load_a<T, D>(ga, grad + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
         const float* const l_row = lse + (long long)jb.bh * n_q;
         const float lse_lo = r_lo < n_q ? l_row[r_lo] * kLog2e : 0.0f;
         const float lse_hi = r_hi < n_q ? l_row[r_hi] * kLog2e : 0.0f;
+        u32 qa[D / 16][4], ga[D / 16][4];
         float dl_lo = 0.0f, dl_hi = 0.0f;  // delta of rows r_lo and r_hi (0 past n_q: zero fragments)
         {
             u32 oa[D / 16][4];
-            frag_load_a<T, D>(oa, out + head_offset(jb.bh, n_h, out_sb, out_sh), (int)out_st, row0, n_q);
+            if constexpr (Shape::ROWS_SMEM) {  // this warp's rows of the job's Q, dO and O tiles (zeros past n_q)
+                const int r = row0 - jb.m0;
+                mbar_wait(rows_full, job & 1);
+                frag_load_a_smem<kTmaRows, D>(qa, rows, r);
+                frag_load_a_smem<kTmaRows, D>(ga, rows + Shape::ROWS_TILE_BYTES, r);
+                frag_load_a_smem<kTmaRows, D>(oa, rows + 2 * Shape::ROWS_TILE_BYTES, r);
+                // read through the generic proxy, rewritten by the producer's next TMA (the async proxy)
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_arrive(rows_empty);
+            } else {
+                frag_load_a<T, D>(qa, q + head_offset(jb.bh, n_h, q_sb, q_sh), (int)q_st, row0, n_q);
+                frag_load_a<T, D>(ga, grad + head_offset(jb.bh, n_h, o_sb, o_sh), (int)o_st, row0, n_q);
+                frag_load_a<T, D>(oa, out + head_offset(jb.bh, n_h, out_sb, out_sh), (int)out_st, row0, n_q);
+            }
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 dl_lo += dot2<T>(ga[kk][0], oa[kk][0]) + dot2<T>(ga[kk][2], oa[kk][2]);
