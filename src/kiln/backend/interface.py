@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # Kernels: the named computations kiln.ops, kiln.optim and autograd call, one family per row.
 KERNELS = (
-    "add", "cast", "sum_leading",                                              # elementwise
+    "add", "cast",                                                             # elementwise
     "scatter_add",                                                             # shape (index backward)
     "matmul", "linear_fwd", "linear_bwd", "linear_gelu_fwd", "linear_gelu_bwd",  # matmul
     "embedding_fwd", "embedding_bwd",                                          # embedding

@@ -5,18 +5,17 @@ from __future__ import annotations
 import numbers
 
 from kiln.autograd import Fresh, Function
-from kiln.backend import array_backend, array_module
+from kiln.backend import array_module
 from kiln.errors import DTypeError, ShapeError
 
 
 def unbroadcast(grad, shape):
-    """Sum `grad` down to `shape`, undoing NumPy broadcasting (leading axes: the backend's sum_leading, on
-    the GPU kiln's column sums; size-1 axes)."""
+    """Sum `grad` down to `shape`, undoing NumPy broadcasting (leading axes and size-1 axes)."""
     if tuple(grad.shape) == tuple(shape):
         return grad
     extra = grad.ndim - len(shape)
     if extra:
-        grad = array_backend(grad).sum_leading(grad, extra)
+        grad = grad.sum(axis=tuple(range(extra)))
     axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
     if axes:
         grad = grad.sum(axis=axes, keepdims=True)

@@ -15,7 +15,7 @@ from kiln.backend.cpu.adamw import adamw_step, grad_norm, grad_norm_parts, scale
 from kiln.backend.cpu.attention import attention_bwd, attention_fwd
 from kiln.backend.cpu.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
 from kiln.backend.cpu.dropout import dropout_fwd
-from kiln.backend.cpu.elementwise import add, cast, sum_leading
+from kiln.backend.cpu.elementwise import add, cast
 from kiln.backend.cpu.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cpu.gelu import gelu_bwd, gelu_bwd_bias, gelu_fwd
 from kiln.backend.cpu.layer_norm import (

@@ -1,5 +1,4 @@
-"""Elementwise add, dtype casts and the sum over leading axes that undoes a broadcast (the CUDA backend runs them
-as vector kernels, elementwise.cu, and its column sums)."""
+"""Elementwise add and dtype casts (the CUDA backend runs them as vector kernels, elementwise.cu)."""
 
 import numpy as np
 
@@ -7,11 +6,6 @@ import numpy as np
 def add(a, b, out=None):
     """a + b (into out when given)."""
     return np.add(a, b, out=out)
-
-
-def sum_leading(a, n: int):
-    """a summed over its first n axes (the gradient of an operand broadcast over them), in a's dtype."""
-    return a.sum(axis=tuple(range(n))) if n else a
 
 
 def cast(x, dtype, out=None):

@@ -29,7 +29,7 @@ from kiln.backend.cuda.cublaslt import (
 )
 from kiln.backend.cuda.device import device_name, ensure_available, range_pop, range_push, stream, synchronize
 from kiln.backend.cuda.dropout import dropout_fwd
-from kiln.backend.cuda.elementwise import add, cast, sum_leading
+from kiln.backend.cuda.elementwise import add, cast
 from kiln.backend.cuda.embedding import embedding_bwd, embedding_fwd
 from kiln.backend.cuda.gelu import gelu_bwd, gelu_bwd_bias, gelu_fwd
 from kiln.backend.cuda.graph import capture

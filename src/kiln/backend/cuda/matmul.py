@@ -175,7 +175,7 @@ _no_dgelu_epilogue: set = set()  # (dtype, m, n, k) where cuBLASLt offered no DG
 
 def linear_gelu_bwd(grad, pre, weight, need_db, param_grad_dtype=None):
     """(dpre, dbias) for y = gelu(pre) @ weight^T (+ b): dpre = (grad @ weight) * gelu'(pre), dbias = dpre's
-    column sums (None unless need_db: the bias gradient of the layer that made pre, column_sum) in
+    column sums (None unless need_db: the bias gradient of the layer that made pre, _bias_grad) in
     param_grad_dtype (default pre's). In bf16/fp16 the GELU's backward rides in the GEMM (cuBLASLt's DGELU
     epilogue, its GELU derivative the ~1e-3 approximation its forward's GELU_AUX_BIAS is): no [N, in]
     gradient of the GELU's output is written and read again. fp32 keeps kiln's exact GELU kernels after the
@@ -203,7 +203,7 @@ def linear_gelu_bwd(grad, pre, weight, need_db, param_grad_dtype=None):
     db = None
     if need_db:
         db = cp.empty((n_in,), dtype=pdtype)
-        column_sum(dpre, db)
+        _bias_grad(dpre, db)
     return dpre, db
 
 
@@ -225,7 +225,7 @@ def _linear_fwd_f64(x, weight, bias):
 
 
 def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None):
-    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias is kiln's column sum of grad (column_sum).
+    """(dx, dweight, dbias) for y = x @ weight^T + b; dbias is kiln's column sum of grad (_bias_grad).
 
     param_grad_dtype: dweight's and dbias's dtype (default grad's); float32 with bf16/fp16 operands
     (the bf16 copy of fp32 master weights) has the GEMM write its fp32 accumulator as it is, so no
@@ -266,13 +266,13 @@ def linear_bwd(grad, x, weight, need_dx, need_dw, need_db, param_grad_dtype=None
             args = dict(m=n_out, n=n_in, k=n_rows, trans_a=not tg, trans_b=tx, lda=ldg, ldb=ldx)
             cublaslt.gemm(ga, xa, dw, **args)
     if db is not None and db.size:
-        column_sum(grad, db)
+        _bias_grad(grad, db)
     return dx, dw, db
 
 
-def column_sum(grad, db) -> None:
-    """db[c] = the sum over rows of grad[:, c] (db may be fp32 over bf16 grad; a bias gradient, or
-    elementwise.sum_leading's): one read of grad, per-part fp32 sums and a fixed-order finish (matmul.cu). cuBLASLt's BGRADB epilogue, used until 2026-12-04,
+def _bias_grad(grad, db) -> None:
+    """db[c] = the sum over rows of grad[:, c] (db may be fp32 over bf16 grad): one read of grad, per-part
+    fp32 sums and a fixed-order finish (matmul.cu). cuBLASLt's BGRADB epilogue, used until 2026-12-04,
     ran as a kernel of its own too (globalKernelBgradAB, ~2.2 TB/s in the GPT-2 profile), and offers no
     algorithm for some dtype pairs."""
     t = ctype(grad.dtype)

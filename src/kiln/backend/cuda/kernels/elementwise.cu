@@ -38,24 +38,21 @@ template <> struct Vec8<float> {
 
 }  // namespace
 
-// out = a + b, one dtype, computed in fp32 (as CuPy does for bf16); b repeats every m elements: m = n when b
-// has a's shape, m = b's size when b broadcasts over a's leading axes (GPT-2's position embedding added to
-// every sequence of the batch; the host passes n_vec > 0 then only when m is a multiple of 8).
+// out = a + b, same dtype and shape, computed in fp32 (as CuPy does for bf16).
 template <typename T>
 __global__ void add(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, long long n,
-                    long long n_vec, long long m) {
+                    long long n_vec) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (long long p = i; p < n_vec; p += stride) {
         float x[8], y[8];
         Vec8<T>::load(a + 8 * p, x);
-        Vec8<T>::load(b + (m == n ? 8 * p : (8 * p) % m), y);
+        Vec8<T>::load(b + 8 * p, y);
 #pragma unroll
         for (int j = 0; j < 8; ++j) x[j] += y[j];
         Vec8<T>::store(out + 8 * p, x);
     }
-    for (long long e = 8 * n_vec + i; e < n; e += stride)
-        out[e] = from_float<T>(to_float(a[e]) + to_float(b[m == n ? e : e % m]));
+    for (long long e = 8 * n_vec + i; e < n; e += stride) out[e] = from_float<T>(to_float(a[e]) + to_float(b[e]));
 }
 
 // y = x converted to TO (round to nearest even), e.g. fp32 master weights to bf16 and back.
