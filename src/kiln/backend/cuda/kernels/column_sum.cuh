@@ -24,7 +24,7 @@ __device__ __forceinline__ void column_sum_part_rows(Elems elems, float* __restr
     float acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0.0f;
-#pragma unroll 8
+#pragma unroll 4
     for (int r = r0; r < r1; ++r) {
         const long long off = (long long)r * C + col;
         if constexpr (kVec) {
