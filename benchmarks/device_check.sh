@@ -2,7 +2,10 @@
 # One device call that checks a session's work on a GPU machine: the CUDA tests, then whichever
 # benchmark parts are named (each under its own time limit, its log in one archive under $OUT).
 #
-#   OUT=/tmp/out bash benchmarks/device_check.sh tests gpt2 ddp tp cp tptrace precision profile launch
+#   KILN_COMMIT=<this checkout's HEAD> OUT=/tmp/out bash benchmarks/device_check.sh tests gpt2 ddp tp cp tptrace precision profile launch
+#
+# KILN_COMMIT is required: the device machine gets a copy of the working tree whose `git rev-parse HEAD` answers
+# an older commit (the session's first, 2026-12-07), so the result files' commit must come from here.
 #
 # Parts: tests (SUITE_K=expr: a pytest -k expression, e.g. 'not tma and not fused' to leave out kernels that have
 # never run, whose own parts try them alone; pytest -m "cuda and not slow" through benchmarks/cuda_suite.py: every kernel family compiled at once
@@ -52,7 +55,8 @@
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
 LOGS=$(mktemp -d)/device-check; mkdir -p "$LOGS"; touch "$LOGS/.start"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+KILN_COMMIT=${KILN_COMMIT:?set KILN_COMMIT to the commit measured: the git HEAD of the checkout that sent the call}
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KILN_COMMIT
 archive() {  # what the benchmarks wrote under benchmarks/results/ in this call, and the logs: one archive back,
     # remade after every part, so a call cut off at its limit still returns the parts before
     find benchmarks/results -newer "$LOGS/.start" -type f |
