@@ -42,6 +42,22 @@ def test_the_schedule_model_numbers_every_job_once_and_levels_the_blocks():
     assert fewer["split_grouped2_mib"] * 2 == fewer["split_grouped4_mib"] == 48
 
 
+def test_the_fused_schedule_model_waits_only_where_the_adds_go_against_the_walk():
+    """attention_fused_schedule: with the adds into a tile in descending key-block order and the jobs handed out
+    in that order, no block ever waits while the adds take under two tiles' products (the fused makespan is the
+    plain ticket's); ascending order (the v5 kernel's, measured slower than split) waits; every job finishes."""
+    fs = load_benchmark("attention_fused_schedule")
+    for n_bh, t in ((192, 1024), (24, 4096), (3, 512)):
+        n_blocks, n_tiles = t // fs.KEYS, t // fs.QUERIES
+        plain = fs.ticket_makespan([n_tiles - 2 * kb + 0.3 for h in range(n_bh) for kb in reversed(range(n_blocks))],
+                                   132)
+        for latency in (0.0, 1.0, 1.9):
+            assert fs.fused_makespan(n_bh, t, 132, latency, 0.3, True, 1) == pytest.approx(plain)
+        assert fs.fused_makespan(n_bh, t, 132, 1.0, 0.3, False, 1) > plain
+    assert fs.fused_makespan(24, 4096, 132, 5.0, 0.3, True, 1) > fs.fused_makespan(24, 4096, 132, 0.0, 0.3, True, 1)
+    assert fs.split_makespan(192, 1024, 132, 0.3) > fs.fused_makespan(192, 1024, 132, 1.0, 0.3, True, 1)
+
+
 def test_attention_benchmark_narrows_to_the_shapes_and_ops_asked_and_refuses_others():
     bench = load_benchmark("attention")
     assert bench.parse_shapes("") == list(bench.SHAPES)
