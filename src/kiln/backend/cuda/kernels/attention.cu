@@ -1396,7 +1396,9 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // hardware's, so dq's last bits vary from run to run (dK and dV do not: a block owns them).
 // (Measured on an H100, 2026-12-06, the paper's shapes: adding in a fixed order behind a semaphore
 // per query tile took 1.2-3.8x this kernel's time, RED per element instead of the bulk reduction
-// 1.03-1.20x. Against the split kernels this one wins only at D = 64 and T >= 2048.)
+// 1.03-1.20x. Against the split kernels this one wins only at D = 64 and T >= 2048. That fixed order was
+// ascending key blocks, against the walk: benchmarks/attention_fused_schedule.py models the descending
+// order, in which no block waits, at 0.71-0.80x the split's time; benchmarks/results/attention/NOTES.md.)
 // Head dims that are multiples of 64 (the M of dQᵀ's wgmma is D, 64 rows per product).
 
 // Stores the 16 x BQ tile of dSᵀ a warp holds as A fragments (c_to_a's da: rows = keys key0..key0+15
