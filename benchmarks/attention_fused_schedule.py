@@ -40,6 +40,20 @@ QUERIES = 64   # a streamed query tile (BWD_TMA_ROWS)
 SPLIT_DKDV, SPLIT_DQ = 0.8, 0.6  # the split kernels' products a pair, in fused units
 
 
+def walk(kb: int, n_q: int, off: int) -> range:
+    """The query tiles key block kb walks (TmaKeyJob in attention.cu: from the tile of the first query that sees
+    its first key, n0 - off, to the last tile), for any n_q and mask offset off >= 0."""
+    q_begin = (max(kb * KEYS - off, 0) // QUERIES) * QUERIES
+    n_tiles = (n_q - q_begin + QUERIES - 1) // QUERIES if q_begin < n_q else 0
+    return range(q_begin // QUERIES, q_begin // QUERIES + n_tiles)
+
+
+def place(kb: int, qt: int, n_kb: int, off: int) -> int:
+    """Key block kb's place in line at query tile qt (the fused kernel's dq_writer): the last key block that sees
+    the tile adds first (place 0, a store), key block 0 last."""
+    return min(n_kb - 1, (qt * QUERIES + QUERIES - 1 + off) // KEYS) - kb
+
+
 def ticket_makespan(costs: list[float], sms: int) -> float:
     """Jobs of the given costs handed out in order to whichever of `sms` blocks frees first."""
     free = [0.0] * sms

@@ -58,6 +58,29 @@ def test_the_fused_schedule_model_waits_only_where_the_adds_go_against_the_walk(
     assert fs.split_makespan(192, 1024, 132, 0.3) > fs.fused_makespan(192, 1024, 132, 1.0, 0.3, True, 1)
 
 
+def test_the_fused_kernels_places_in_line_are_each_tiles_walkers_in_descending_order():
+    """The fused-tma kernel's arithmetic (its walk and its writer's place): at every query tile the key blocks that
+    walk it hold places 0, 1, ... with no gap and no repeat, the last key block first, for any lengths and mask
+    offset: a gap or a repeat would leave a block waiting forever for a counter."""
+    import random
+    fs = load_benchmark("attention_fused_schedule")
+    gen = random.Random(0)
+    cases = [(1024, 1024, 0), (65, 200, 3), (200, 65, 135), (100, 37, 37), (16384, 16384, 0)]
+    cases += [(gen.randint(1, 700), gen.randint(1, 700), 0) for _ in range(150)]
+    cases += [(n_q, n_k, gen.randint(0, n_k)) for n_q, n_k in ((gen.randint(1, 700), gen.randint(1, 700))
+                                                               for _ in range(150))]
+    for n_q, n_k, off in cases:
+        n_kb = -(-n_k // fs.KEYS)
+        at = {}
+        for kb in range(n_kb):
+            for qt in fs.walk(kb, n_q, off):
+                at.setdefault(qt, []).append((fs.place(kb, qt, n_kb, off), kb))
+        assert sorted(at) == list(range(-(-n_q // fs.QUERIES))), (n_q, n_k, off)  # every tile: acc written whole
+        for qt, walkers in at.items():
+            assert sorted(p for p, _ in walkers) == list(range(len(walkers))), (n_q, n_k, off, qt)
+            assert min(walkers)[1] == max(kb for _, kb in walkers), (n_q, n_k, off, qt)  # the last key block first
+
+
 def test_attention_benchmark_narrows_to_the_shapes_and_ops_asked_and_refuses_others():
     bench = load_benchmark("attention")
     assert bench.parse_shapes("") == list(bench.SHAPES)
