@@ -1962,7 +1962,7 @@ template <int D> struct TmaBwdShape {
     static constexpr bool ROWS_SMEM = !KV_SMEM;
     static constexpr int ROWS_TILE_BYTES = SwTile<kTmaRows, D>::BYTES;
     static constexpr int KV_OFFSET = STAGES * STAGE_BYTES;  // the consumers' K/V tiles, or the job's rows
-    static constexpr int VEC_OFFSET = KV_OFFSET + (KV_SMEM ? 2 * 2 * KV_TILE_BYTES : ROWS_SMEM ? 3 * ROWS_TILE_BYTES : 0);
+    static constexpr int VEC_OFFSET = KV_OFFSET + (KV_SMEM ? 2 * 2 * KV_TILE_BYTES : 3 * ROWS_TILE_BYTES);
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
     static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 4);
 };
