@@ -56,11 +56,11 @@ def test_causal_self_attention_on_packed_qkv_matches_pytorch_and_finite_differen
 # --- attention ----------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["split", "fused-bulk", "split-tma"])
+@pytest.fixture(params=["split", "fused-bulk", "split-tma", "fused-tma"])
 def bwd(request, monkeypatch):
     """The backward tests run with every bf16/fp16 backward (KILN_ATTENTION_BWD): the dK/dV and dQ
-    kernels, the fused kernel that adds dQ in the hardware's order, and the split one with the
-    warp-specialised TMA dK/dV kernel."""
+    kernels, the fused kernel that adds dQ in the hardware's order, the split one with the
+    warp-specialised TMA kernels, and the TMA dK/dV kernel that adds dQ in a fixed order (fused-tma)."""
     monkeypatch.setenv("KILN_ATTENTION_BWD", request.param)
     return request.param
 
@@ -68,8 +68,8 @@ def bwd(request, monkeypatch):
 def _fused_runs(bwd, dtype, d):
     """Skips a variant's case where the launcher runs the split kernels anyway (float32; head dims
     other than 64 and 128 for the fused backward and for split-tma): the same test twice."""
-    from kiln.backend.cuda.attention import BWD_TMA_HEAD_DIMS, FUSED_HEAD_DIMS
-    dims = {"fused-bulk": FUSED_HEAD_DIMS, "split-tma": BWD_TMA_HEAD_DIMS}.get(bwd)
+    from kiln.backend.cuda.attention import BWD_TMA_HEAD_DIMS, FUSED_HEAD_DIMS, FUSED_TMA_HEAD_DIMS
+    dims = {"fused-bulk": FUSED_HEAD_DIMS, "split-tma": BWD_TMA_HEAD_DIMS, "fused-tma": FUSED_TMA_HEAD_DIMS}.get(bwd)
     if dims is not None and (np.dtype(dtype) == np.float32 or d not in dims):
         pytest.skip(f"{bwd} is bf16/fp16 at head dims {dims}; this case runs the split kernels")
 
@@ -267,7 +267,7 @@ FUSED_SHAPES = [((16, 12, 1024, 1024, 64), True, 0), ((4, 16, 2048, 2048, 128), 
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["fused-bulk", "split-tma"])
+@pytest.mark.parametrize("variant", ["fused-bulk", "split-tma", "fused-tma"])
 @pytest.mark.parametrize("shape, causal, offset", FUSED_SHAPES)
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
 def test_attention_bwd_variant_equals_split(gpu, rng, monkeypatch, variant, shape, causal, offset, dtype):
@@ -297,10 +297,12 @@ def test_attention_bwd_variant_equals_split(gpu, rng, monkeypatch, variant, shap
 
 
 @pytest.mark.cuda
-def test_attention_bwd_tma_is_bitwise_repeatable(gpu, rng, monkeypatch):
+@pytest.mark.parametrize("variant", ["split-tma", "fused-tma"])
+def test_attention_bwd_tma_is_bitwise_repeatable(gpu, rng, monkeypatch, variant):
     """split-tma's blocks take their jobs from a ticket, in whatever order they free up: a job's sums do not
-    depend on the block that runs it, so two backwards give the same bits (1536 jobs a kernel, over 11 an SM)."""
-    monkeypatch.setenv("KILN_ATTENTION_BWD", "split-tma")
+    depend on the block that runs it, so two backwards give the same bits (1536 jobs a kernel, over 11 an SM);
+    fused-tma's dQ additions into a tile wait for their turn, so theirs do not depend on it either."""
+    monkeypatch.setenv("KILN_ATTENTION_BWD", variant)
     q, k, v, g = (gpu.asarray(rand((16, 12, 1024, 64), ml_dtypes.bfloat16, rng)) for _ in range(4))
     out, lse = gpu.attention_fwd(q, k, v, 0.125)
     first, second = ([gpu.to_numpy(a).view(np.uint16) for a in gpu.attention_bwd(g, q, k, v, out, lse, 0.125)]
@@ -317,7 +319,7 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
     assert bwd_variant() == "fused-bulk"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused")  # the ordered fused backward, removed on 2026-12-06
-    with pytest.raises(ConfigError, match="one of auto, split, fused-bulk, split-tma, got 'fused'"):
+    with pytest.raises(ConfigError, match="one of auto, split, fused-bulk, split-tma, fused-tma, got 'fused'"):
         bwd_variant()
 
 
@@ -333,6 +335,10 @@ def test_attention_bwd_auto_takes_split_tma_at_head_dims_64_and_128(monkeypatch)
     monkeypatch.setenv("KILN_ATTENTION_BWD", "split-tma")
     assert bwd_kernels(True, 128) == "split-tma"
     assert bwd_kernels(True, 48) == "split"
+    monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-tma")
+    assert bwd_kernels(True, 64) == "fused-tma"
+    assert bwd_kernels(True, 128) == "split-tma"  # the fused dQ reads K from shared memory at head dim 64 only
+    assert bwd_kernels(False, 64) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
     assert bwd_kernels(True, 128) == "fused-bulk"
     assert bwd_kernels(True, 48) == "split"
@@ -542,6 +548,13 @@ def test_attention_bwd_tma_fits_in_shared_memory():
     from kiln.backend.cuda.attention import BWD_TMA_HEAD_DIMS, bwd_tma_shared_bytes
     assert [bwd_tma_shared_bytes(d) for d in BWD_TMA_HEAD_DIMS] == [117864, 199784]
     assert all(bwd_tma_shared_bytes(d) <= 227 * 1024 for d in BWD_TMA_HEAD_DIMS)
+
+
+def test_attention_bwd_fused_tma_fits_in_shared_memory():
+    """The fused dK/dV/dQ kernel's split-tma layout, dSᵀ tiles, dQ stages and their barriers fit 227 KiB."""
+    from kiln.backend.cuda.attention import FUSED_TMA_HEAD_DIMS, fused_tma_shared_bytes
+    assert [fused_tma_shared_bytes(d) for d in FUSED_TMA_HEAD_DIMS] == [167984]
+    assert all(fused_tma_shared_bytes(d) <= 227 * 1024 for d in FUSED_TMA_HEAD_DIMS)
 
 
 def test_attention_fwd_tma_fits_in_shared_memory():

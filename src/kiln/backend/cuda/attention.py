@@ -45,6 +45,11 @@ consumers' dO and O fragments, written for dK/dV): no delta kernel. Bitwise repe
 (2026-12-07) it took 0.89-0.92x split's time at every D = 64 shape measured (T 512-16384), 0.79x at the three
 D = 128 shapes; one job a block (before the ticket) it lost at T <= 1024. At head dim 128 the dK/dV kernel's
 consumers read K and V from shared memory: its registers do not hold them besides dK and dV there.
+KILN_ATTENTION_BWD=fused-tma (head dim 64; written 2026-12-07, not yet run on a GPU) is split-tma's dK/dV kernel
+forming dQ too (`attention_bwd_dkdv_tma<.., true>`: 5 products a tile where split-tma's two kernels take 7), added
+into an fp32 accumulator in a fixed order: a query tile's contributions in descending key-block order behind a
+counter a tile, the jobs handed out in that order so that in lockstep no block waits (modelled at 0.71-0.80x
+split's time: benchmarks/attention_fused_schedule.py), then attention_bwd_dq_store writes dq. Bitwise repeatable.
 KILN_ATTENTION_BWD=auto, the default, runs split-tma at head dims 64 and 128 and split at the others.
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
@@ -78,7 +83,8 @@ F32_THREADS = 64  # float32 kernels (kF32Threads)
 TF32_THREADS = 128  # float32 kernels under tf32 products: 4 warps x 16 rows (kTf32Threads, kTf32Rows)
 TF32_ROWS = 64
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
-BWD_VARIANTS = ("auto", "split", "fused-bulk", "split-tma")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
+BWD_VARIANTS = ("auto", "split", "fused-bulk", "split-tma", "fused-tma")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
+FUSED_TMA_HEAD_DIMS = (64,)  # attention_bwd_dkdv_tma<.., true>: dQ from the job's K tile in shared memory
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
 FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
 # The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
@@ -149,6 +155,7 @@ def _instantiations():
             for d in FUSED_HEAD_DIMS]
     out += [f"attention_bwd_{k}_tma<{t}, {d}>" for k in ("dkdv", "dq") for t in FLOAT_CTYPES[1:]
             for d in BWD_TMA_HEAD_DIMS]
+    out += [f"attention_bwd_dkdv_tma<{t}, {d}, true>" for t in FLOAT_CTYPES[1:] for d in FUSED_TMA_HEAD_DIMS]
     return out
 
 
@@ -186,6 +193,8 @@ def bwd_kernels(tensor_cores: bool, d: int) -> str:
     """The backward that runs: KILN_ATTENTION_BWD's where it covers the case (tensor cores, its head dims), "auto"
     split-tma where that does (head dims 64 and 128), else split."""
     variant = bwd_variant() if tensor_cores and d in FUSED_HEAD_DIMS else "split"
+    if variant == "fused-tma" and d not in FUSED_TMA_HEAD_DIMS:
+        variant = "split-tma"
     if variant in ("auto", "split-tma"):
         variant = "split-tma" if d in BWD_TMA_HEAD_DIMS else "split"
     return variant
@@ -344,6 +353,14 @@ def bwd_tma_shared_bytes(d: int) -> int:
     return BWD_TMA_STAGES * (2 * BWD_TMA_ROWS * d * 2 + 2 * BWD_TMA_ROWS * 4 + 16) + own_tiles + 4 * 8 + 8 + 1024
 
 
+def fused_tma_shared_bytes(d: int) -> int:
+    """attention_bwd_dkdv_tma's with the fused dQ (TmaBwdShape): the split-tma kernels' layout up to the job slot,
+    then, 1024-aligned, each consumer's dSᵀ tile (BWD_TMA_ROWS x 64), two fp32 dQ stages (BWD_TMA_ROWS x d) and
+    their six mbarriers, and 1024 bytes to align the base."""
+    job_end = bwd_tma_shared_bytes(d) - 1024
+    return cdiv(job_end, 1024) * 1024 + 2 * BWD_TMA_ROWS * TC_ROWS * 2 + 2 * BWD_TMA_ROWS * d * 4 + 6 * 8 + 1024
+
+
 def _tile_maps(q, k, v):
     """The TMA forward's tensor maps of q, k and v; None where TMA cannot address one (a stride of
     0, a broadcast k or v, or one not a multiple of 16 bytes): the one-warpgroup forward reads those."""
@@ -448,11 +465,31 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}>")(
             (min(n_kb * b * h, sms),), (TMA_THREADS,),
             (q_map, g_map, k_map, v_map, k, v, lse, delta, dk, dv, tickets[1:], *ints, *_args(kvs, dkvs),
-             i32(head_group(b * h, n_kb, sms))), shared_mem=bwd_tma_shared_bytes(d))
+             i32(head_group(b * h, n_kb, sms)), None, None), shared_mem=bwd_tma_shared_bytes(d))
         return _fill(into, (dq, dk, dv))
+    fused_maps = _bwd_tile_maps(q, grad, k, v) if variant == "fused-tma" and n_q and n_k else None
+    if variant == "fused-tma" and fused_maps is None:
+        variant = "split"
     get_kernel("attention.cu", f"attention_bwd_delta<{t}, {d}>")(
         (cdiv(b * h * n_q, delta_rows_per_block(d, q.dtype.itemsize)),), (256,),
         (grad, out, delta, i64(b * h * n_q), i32(n_q), i32(h), *_args(gs, os_)))
+    if fused_maps is not None:
+        # dK, dV and dQ in one kernel, dQ added into acc in a fixed order (descending key blocks, behind a counter
+        # a query tile: sem, zeroed), then attention_bwd_dq_store writes dq; bitwise repeatable
+        q_map, g_map, k_map, v_map = fused_maps
+        n_kb, n_qt, sms = cdiv(n_k, TMA_ROWS), cdiv(n_q, BWD_TMA_ROWS), rt.sm_count()
+        assert FUSED_Q[d] == BWD_TMA_ROWS  # attention_bwd_dq_store's tiles
+        rt.stream()  # the memsets below are CuPy's: on kiln's stream, so a captured step zeroes every replay
+        sem = cp.zeros((b * h * n_qt + 1,), dtype=cp.int32)  # the counters, then the ticket
+        acc = cp.empty((b * h, n_qt * BWD_TMA_ROWS, d), dtype=cp.float32)  # every tile stored by its first in line
+        get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}, true>")(
+            (min(n_kb * b * h, sms),), (TMA_THREADS,),
+            (q_map, g_map, k_map, v_map, k, v, lse, delta, dk, dv, sem[-1:], i32(n_q), i32(n_k), i32(off), i32(h),
+             i32(b * h), f32(scale), *_args(kvs, dkvs), i32(head_group(b * h, n_kb, sms)), acc, sem),
+            shared_mem=fused_tma_shared_bytes(d))
+        get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}>")(
+            (cdiv(acc.size // 4, 256),), (256,), (acc, dq, i64(acc.size), i32(n_q), i32(h), f32(scale), *_args(dqs)))
+        return _fill(into, (dq, dk, dv))
     common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, gs))
     if variant == "fused-bulk":
         # dQ in fp32 [B·H, n_qt, BQ·D], zeroed; every key block adds its tiles (in whatever order the blocks

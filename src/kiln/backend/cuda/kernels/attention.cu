@@ -1174,6 +1174,21 @@ __device__ __forceinline__ void key_rows_issue(float (&acc)[BQ / 8][4], u32 a, u
     wg_issue_ss<T, BQ, D, SwTile<kTcRows, D>, SwTile<BQ, D>, 0, 0>(acc, a, b, Overwrite ? 0 : 1);
 }
 
+// Stores the 16 x BQ tile of dSᵀ a warp holds as A fragments (c_to_a's da: rows = keys key0..key0+15
+// of the block, columns = the tile's queries) transposed into the SwTile<BQ, 64> at shared address
+// dst, rows = queries, columns = keys: stmatrix .trans writes each 8 x 8 piece as its transpose,
+// lane l giving the address of row l & 7 of piece l >> 3 (pieces: keys lo/hi x queries lo/hi).
+template <int BQ>
+__device__ __forceinline__ void ds_store_t(u32 dst, const u32 (&da)[BQ / 16][4], int key0) {
+    const int lane = threadIdx.x & 31;
+    const int r = (lane & 7) + ((lane >> 4) << 3), ch = key0 / 8 + ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     ::"r"(dst + SwTile<BQ, kTcRows>::chunk(kk * 16 + r, ch)), "r"(da[kk][0]), "r"(da[kk][1]),
+                       "r"(da[kk][2]), "r"(da[kk][3]) : "memory");
+}
+
 // One tile of the dK/dV kernels (attention_bwd_dkdv_tc, attention_bwd_dkdv_tma), a warpgroup's 64 keys against
 // BQ queries q0..: Sᵀ = K·Qᵀ, Pᵀ = exp(Sᵀ - lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ - delta), dK += dSᵀ·Q.
 // ka, va: this warp's K and V rows as A fragments, or the warpgroup's K and V tiles' shared addresses
@@ -1182,11 +1197,13 @@ __device__ __forceinline__ void key_rows_issue(float (&acc)[BQ / 8][4], u32 a, u
 // formed while dPᵀ runs, dSᵀ while dV += Pᵀ·dO runs. They overwrite p and ds (scale-d 0 at the first k-step),
 // except at D = 128, where ptxas then serialised the products for want of registers (C7512): zeroed there,
 // before S is issued.
-template <typename T, int BQ, int D, typename KeyRows>
+// StoreDs (the fused dK/dV/dQ kernel): dSᵀ, rounded to T, also goes transposed to the SwTile<BQ, 64> at ds_dst
+// (ds_store_t), the B of the warpgroup's dQᵀ = Kᵀ·dSᵀ.
+template <typename T, int BQ, int D, typename KeyRows, bool StoreDs = false>
 __device__ __forceinline__ void dkdv_tile(float (&dk_acc)[D / 8][4], float (&dv_acc)[D / 8][4],
                                           const KeyRows& ka, const KeyRows& va, u32 qb, u32 gb,
                                           const float* ls, const float* ds_row, float lse_scale, int q0, int key0,
-                                          int n_q, int off, float sl2) {
+                                          int n_q, int off, float sl2, u32 ds_dst = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, key_lo = key0 + g, key_hi = key_lo + 8;
     // Masks are needed only where some query of the tile misses some key of this warp, or past n_q.
     const bool edge = q0 + off < key0 + 15 || q0 + BQ > n_q;
@@ -1227,6 +1244,7 @@ __device__ __forceinline__ void dkdv_tile(float (&dk_acc)[D / 8][4], float (&dv_
     u32 da[BQ / 16][4];
     c_to_a<T, BQ>(da, ds);
     wg_issue<T, D, BQ, BQ, D, 1>(dk_acc, da, qb);  // dK += dSᵀ·Q
+    if constexpr (StoreDs) ds_store_t<BQ>(ds_dst, da, ((threadIdx.x >> 5) & 3) * 16);
     wg_wait<0>();
     fence_regs(dv_acc);
     fence_regs(dk_acc);
@@ -1401,35 +1419,31 @@ __global__ void __launch_bounds__(kAttnThreads, TcShape<D>::dq_blocks) attention
 // order, in which no block waits, at 0.71-0.80x the split's time; benchmarks/results/attention/NOTES.md.)
 // Head dims that are multiples of 64 (the M of dQᵀ's wgmma is D, 64 rows per product).
 
-// Stores the 16 x BQ tile of dSᵀ a warp holds as A fragments (c_to_a's da: rows = keys key0..key0+15
-// of the block, columns = the tile's queries) transposed into the SwTile<BQ, 64> at shared address
-// dst, rows = queries, columns = keys: stmatrix .trans writes each 8 x 8 piece as its transpose,
-// lane l giving the address of row l & 7 of piece l >> 3 (pieces: keys lo/hi x queries lo/hi).
-template <int BQ>
-__device__ __forceinline__ void ds_store_t(u32 dst, const u32 (&da)[BQ / 16][4], int key0) {
-    const int lane = threadIdx.x & 31;
-    const int r = (lane & 7) + ((lane >> 4) << 3), ch = key0 / 8 + ((lane >> 3) & 1);
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk)
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                     ::"r"(dst + SwTile<BQ, kTcRows>::chunk(kk * 16 + r, ch)), "r"(da[kk][0]), "r"(da[kk][1]),
-                       "r"(da[kk][2]), "r"(da[kk][3]) : "memory");
-}
-
 __device__ __forceinline__ void sts128(u32 addr, float a, float b, float c, float d) {
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
-// A tile's dQ (dqt[D / 64][BQ / 8][4], this thread's C fragments) into the stage at shared address
-// dst, fragment-major: float4 f of thread t at (f · 128 + t) · 16 bytes; fenced for the bulk copy.
-template <int BQ, int D>
-__device__ __forceinline__ void stage_dq(u32 dst, const float (&dqt)[D / 64][BQ / 8][4]) {
+// A tile's dQ (dqt[D / 64][BQ / 8][4], the C fragments of thread t of its warpgroup) into the stage at shared
+// address dst, fragment-major: float4 f of thread t at (f · 128 + t) · 16 bytes; fenced for the bulk copy.
+// Add: added to what the stage holds (the other warpgroup's dQ of the same tile, in a fixed order).
+template <int BQ, int D, bool Add = false>
+__device__ __forceinline__ void stage_dq(u32 dst, const float (&dqt)[D / 64][BQ / 8][4], int t) {
 #pragma unroll
     for (int mb = 0; mb < D / 64; ++mb)
 #pragma unroll
-        for (int j = 0; j < BQ / 8; ++j)
-            sts128(dst + ((mb * (BQ / 8) + j) * kAttnThreads + threadIdx.x) * 16, dqt[mb][j][0], dqt[mb][j][1],
-                   dqt[mb][j][2], dqt[mb][j][3]);
+        for (int j = 0; j < BQ / 8; ++j) {
+            const u32 at = dst + ((mb * (BQ / 8) + j) * kAttnThreads + t) * 16;
+            float x0 = dqt[mb][j][0], x1 = dqt[mb][j][1], x2 = dqt[mb][j][2], x3 = dqt[mb][j][3];
+            if constexpr (Add) {
+                float y0, y1, y2, y3;
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(y0), "=f"(y1), "=f"(y2), "=f"(y3) : "r"(at) : "memory");
+                x0 = y0 + x0;
+                x1 = y1 + x1;
+                x2 = y2 + x2;
+                x3 = y3 + x3;
+            }
+            sts128(at, x0, x1, x2, x3);
+        }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
@@ -1559,7 +1573,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
 #pragma unroll
         for (int mb = 0; mb < D / 64; ++mb) fence_regs(dqt[mb]);
         // The tile's dQ to its stage; the next iteration's first barrier publishes it, and its reduction follows.
-        stage_dq<BQ, D>(stage + (it & 1) * STAGE_BYTES, dqt);
+        stage_dq<BQ, D>(stage + (it & 1) * STAGE_BYTES, dqt, (int)threadIdx.x);
     }
     if (n_tiles > 0) {  // the last tile's reduction
         __syncthreads();
@@ -1965,6 +1979,14 @@ template <int D> struct TmaBwdShape {
     static constexpr int VEC_OFFSET = KV_OFFSET + (KV_SMEM ? 2 * 2 * KV_TILE_BYTES : 3 * ROWS_TILE_BYTES);
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
     static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 4);
+    // The fused dK/dV/dQ kernel (FusedDq) only, after the job slot, 1024-aligned: each consumer's dSᵀ tile
+    // (SwTile<ROWS, kTcRows>), two dQ stages of a tile's fp32 dQ (ROWS x D, fragment-major) and their mbarriers
+    // (dq_half[2], dq_full[2], dq_empty[2]); the launcher's fused_tma_shared_bytes.
+    static constexpr int DS_OFFSET = (JOB_OFFSET + 8 + 1023) / 1024 * 1024;
+    static constexpr int DS_BYTES = SwTile<ROWS, kTcRows>::BYTES;
+    static constexpr int DQ_STAGE_BYTES = ROWS * D * 4;
+    static constexpr int DQ_OFFSET = DS_OFFSET + 2 * DS_BYTES;
+    static constexpr int DQ_BAR_OFFSET = DQ_OFFSET + 2 * DQ_STAGE_BYTES;
 };
 
 // key_rows_issue's A operand: K's (V's) fragments in registers, or its tile's shared address.
@@ -1990,14 +2012,16 @@ __device__ __forceinline__ void tma_rows(u32 dst, const TmaMap& map, int r0, int
 // One job of a persistent dK/dV block: keys [n0, n0 + kTmaRows) of head bh (= b * n_h + h) against the n_tiles
 // query tiles of BQ rows from q_begin that see some of them; job w in GroupedJob's order (rank 0: the first keys,
 // which the most queries see).
-template <int BQ> struct TmaKeyJob {
+// Descending (the fused kernel): rank 0 is the last key block, so that a head's key blocks are handed out in the
+// order their dQ contributions are added (attention_bwd_dkdv_tma's FusedDq).
+template <int BQ, bool Descending = false> struct TmaKeyJob {
     int bh, b, h, n0, q_begin, n_tiles;
     __device__ __forceinline__ TmaKeyJob(int w, int n_bh, int n_kb, int group, int n_h, int n_q, int off) {
         const GroupedJob jb(w, n_bh, n_kb, group);
         bh = jb.bh;
         b = bh / n_h;
         h = bh % n_h;
-        n0 = jb.rank * kTmaRows;
+        n0 = (Descending ? n_kb - 1 - jb.rank : jb.rank) * kTmaRows;
         q_begin = (max(n0 - off, 0) / BQ) * BQ;  // the first query tile that sees key n0
         n_tiles = q_begin < n_q ? (n_q - q_begin + BQ - 1) / BQ : 0;
     }
@@ -2023,6 +2047,52 @@ __device__ __forceinline__ int bwd_read_job(int job, u32 job_full, u32 job_empty
     return w;
 }
 
+// The fused backward's dQ writer (one thread of the producer warpgroup): follows the consumers' jobs and tiles
+// (t counts the block's tiles: stage t & 1, its round t / 2) and adds each staged tile of dQ into the accumulator
+// in the tile's order: key blocks descending, from the last that sees the tile (which stores) down to key block 0.
+// It waits until the tile's counter equals its place in that order (acquire), copies the stage (one bulk store or
+// reduce-add), waits for the copy to complete, frees the stage and raises the counter (release): the next key block
+// in line then adds onto a complete sum, so every element's additions come in one order on every run.
+template <int D, int BQ>
+__device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_stage, u32 dq_full, u32 dq_empty,
+                                          u32 job_full, u32 job_empty, u32 job_slot, int n_bh, int n_kb, int n_work,
+                                          int group, int n_h, int n_q, int off) {
+    constexpr u32 BYTES = BQ * D * 4;
+    const int n_qt = (n_q + BQ - 1) / BQ;
+    int t = 0;
+    for (int job = 0;; ++job) {
+        const int w = bwd_read_job(job, job_full, job_empty, job_slot);
+        if (w >= n_work) return;
+        const TmaKeyJob<BQ, true> jb(w, n_bh, n_kb, group, n_h, n_q, off);
+        const int kb = jb.n0 / kTmaRows;
+        for (int it = 0; it < jb.n_tiles; ++it, ++t) {
+            const int q0 = jb.q_begin + it * BQ, qt = q0 / BQ;
+            // the key blocks that see the tile are 0 .. last: the last adds first
+            const int place = min(n_kb - 1, (q0 + BQ - 1 + off) / kTmaRows) - kb;
+            const u32 stage = dq_stage + (t & 1) * BYTES;
+            int* const sem = dq_sem + (long long)jb.bh * n_qt + qt;
+            float* const dst = dq_acc + ((long long)jb.bh * n_qt + qt) * BQ * D;
+            mbar_wait(dq_full + 8 * (t & 1), (t >> 1) & 1);
+            int seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+            } while (seen != place);
+            asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the acquire before the copy's async reads
+            if (place == 0)
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                             ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
+            else
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                             ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // read and written
+            mbar_arrive(dq_empty + 8 * (t & 1));
+            asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the copy's writes before the release
+            asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+        }
+    }
+}
+
 // dK and dV for 128 keys a job: the producer's warp 1 copies each query tile's lse (in log2 units) and delta
 // into the stage beside its Q and dO, so a stage is full when the TMA bytes have landed and warp 1's 32 lanes
 // have arrived. A persistent kernel, as the forward (one block an SM, jobs from a ticket, bwd_take_job): the
@@ -2030,18 +2100,37 @@ __device__ __forceinline__ int bwd_read_job(int job, u32 job_full, u32 job_empty
 // next job's first tiles while the consumers store this job's dK and dV and load its K and V. At D = 128 the
 // consumers' registers hold dK and dV but not also K and V (that spilled 268 bytes): each consumer copies its 64
 // rows of K and V into its own tiles once a job, and Sᵀ and dPᵀ read them from there (key_rows_issue).
-template <typename T, int D>
+//
+// FusedDq (KILN_ATTENTION_BWD=fused-tma, head dim 64; not yet run on a GPU): the same kernel also forms each
+// tile's dQ, deterministically. Each consumer stores its dSᵀ (64 keys x BQ queries) transposed to its own tile
+// and computes dQᵀ = Kᵀ·dSᵀ over its 64 keys (K from the job's rows tile, which therefore stays until the job's
+// end); consumer 1 writes its dQ to a stage, consumer 2 adds its own (a fixed order), and the producer's warp 2
+// adds the stage into the fp32 accumulator dq_acc [B·H, n_qt, BQ·D] (fragment-major, attention_bwd_dq_store's
+// layout) with one bulk copy, after the key blocks before it in line: a tile's contributions go in descending
+// key-block order (the last key block that sees the tile stores, the others reduce-add), each waiting for the
+// tile's counter dq_sem[bh · n_qt + qt] (zeroed by the launcher) to reach its place, then raising it once its
+// copy has completed. The jobs are handed out in that order too (TmaKeyJob's Descending), so a block reaches a
+// tile two tiles' products after the one before it in line and, in lockstep, never waits: modelled at 0.71-0.80x
+// the split's time (benchmarks/attention_fused_schedule.py); a block only ever waits on jobs handed out before
+// its own, which are running or done (one block an SM, all resident). Bitwise repeatable.
+template <typename T, int D, bool FusedDq = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dkdv_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
                            const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map,
                            const T* __restrict__ k, const T* __restrict__ v, const float* __restrict__ lse,
                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                            int* __restrict__ ticket, int n_q, int n_k, int off, int n_h, int n_bh, float scale,
-                           KILN_LAYOUT(kv), KILN_LAYOUT(dkv), int group) {
+                           KILN_LAYOUT(kv), KILN_LAYOUT(dkv), int group, float* __restrict__ dq_acc,
+                           int* __restrict__ dq_sem) {
     using Shape = TmaBwdShape<D>;
+    using Job = TmaKeyJob<Shape::ROWS, FusedDq>;
+    static_assert(!FusedDq || (Shape::ROWS_SMEM && D == 64), "the fused dQ reads K from the job's rows tile (D 64)");
     constexpr int BQ = Shape::ROWS, S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
+    // FusedDq: each consumer's dSᵀ tile, the two dQ stages and their barriers (two each: stage s at + 8 s)
+    const u32 ds_tiles = base + Shape::DS_OFFSET, dq_stage = base + Shape::DQ_OFFSET;
+    const u32 dq_half = base + Shape::DQ_BAR_OFFSET, dq_full = dq_half + 16, dq_empty = dq_full + 16;
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
     const u32 rows_full = job_empty + 8, rows_empty = rows_full + 8, rows = base + Shape::KV_OFFSET;
     const u32 job_slot = base + Shape::JOB_OFFSET;
@@ -2054,22 +2143,37 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             mbar_init(empty + 8 * s, kTmaThreads - 128);
         }
         mbar_init(job_full, 1);
-        mbar_init(job_empty, kTmaThreads - 128 + 32);  // the consumers and the producer's warp 1
+        // the consumers, the producer's warp 1 and (FusedDq) its dQ writer
+        mbar_init(job_empty, kTmaThreads - 128 + 32 + (FusedDq ? 1 : 0));
         mbar_init(rows_full, 1);
         mbar_init(rows_empty, kTmaThreads - 128);
+        if constexpr (FusedDq) {
+            for (int s = 0; s < 2; ++s) {
+                mbar_init(dq_half + 8 * s, 128);  // consumer 1 has written stage s
+                mbar_init(dq_full + 8 * s, 128);  // consumer 2 has added its part: the stage holds the tile's dQ
+                mbar_init(dq_empty + 8 * s, 1);   // the writer's copy has read it
+            }
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (wg == 0) {  // the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kTmaProducerRegs));
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if constexpr (FusedDq) {
+            if (threadIdx.x == 64) {  // warp 2's lane 0: the dQ writer
+                dq_writer<D, BQ>(dq_acc, dq_sem, dq_stage, dq_full, dq_empty, job_full, job_empty, job_slot, n_bh,
+                                 n_kb, n_work, group, n_h, n_q, off);
+                return;
+            }
+        }
         if (threadIdx.x != 0 && warp != 1) return;
         int kv = 0;  // query tiles this block has taken: tile kv goes to stage kv % S, round kv / S
         for (int job = 0;; ++job) {
             const int w = threadIdx.x == 0 ? bwd_take_job(job, ticket, job_full, job_empty, job_slot)
                                            : bwd_read_job(job, job_full, job_empty, job_slot);
             if (w >= n_work) return;
-            const TmaKeyJob<BQ> jb(w, n_bh, n_kb, group, n_h, n_q, off);
+            const Job jb(w, n_bh, n_kb, group, n_h, n_q, off);
             if (threadIdx.x == 0) {
                 if constexpr (Shape::ROWS_SMEM) {  // the job's keys: K and V, once the consumers hold the last job's
                     mbar_wait(rows_empty, (job & 1) ^ 1);
@@ -2110,7 +2214,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     for (int job = 0;; ++job) {
         const int w = bwd_read_job(job, job_full, job_empty, job_slot);
         if (w >= n_work) break;
-        const TmaKeyJob<BQ> jb(w, n_bh, n_kb, group, n_h, n_q, off);
+        const Job jb(w, n_bh, n_kb, group, n_h, n_q, off);
         const int key0 = jb.n0 + (wg - 1) * kTcRows + warp * 16;
         const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
         typename KeyRowsOf<Shape::KV_SMEM, D>::type ka, va;
@@ -2131,9 +2235,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             mbar_wait(rows_full, job & 1);
             frag_load_a_smem<kTmaRows, D>(ka, rows, r);
             frag_load_a_smem<kTmaRows, D>(va, rows + Shape::ROWS_TILE_BYTES, r);
-            // read through the generic proxy, rewritten by the producer's next TMA (the async proxy)
+            // read through the generic proxy, rewritten by the producer's next TMA (the async proxy); FusedDq's
+            // dQᵀ reads K from the tile until the job's end
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(rows_empty);
+            if constexpr (!FusedDq) mbar_arrive(rows_empty);
         }
         float dk_acc[D / 8][4], dv_acc[D / 8][4];
         zero_acc(dk_acc);
@@ -2143,14 +2248,48 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             const u32 qb = base + s * Shape::STAGE_BYTES, gb = qb + Shape::TILE_BYTES;
             const float* const l = vec + s * 2 * BQ;
             mbar_wait(full + 8 * s, ((kv + it) / S) & 1);
-            if (q0 + BQ - 1 + off < jb.n0 + (wg - 1) * kTcRows) {  // every query of the tile before this warpgroup's keys
-                mbar_arrive(empty + 8 * s);
-                continue;
+            const bool before = q0 + BQ - 1 + off < jb.n0 + (wg - 1) * kTcRows;  // every query of the tile before
+            if constexpr (!FusedDq) {                                            // this warpgroup's keys
+                if (before) {
+                    mbar_arrive(empty + 8 * s);
+                    continue;
+                }
+                dkdv_tile<T, BQ, D>(dk_acc, dv_acc, ka, va, qb, gb, l, l + BQ, 1.0f, q0, key0, n_q, off, sl2);
+                mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
+            } else {
+                float dqt[1][BQ / 8][4];  // this warpgroup's part of the tile's dQᵀ (D = 64 rows x BQ)
+                if (before) {
+                    mbar_arrive(empty + 8 * s);
+                    zero_acc(dqt[0]);
+                } else {
+                    const u32 ds = ds_tiles + (wg - 1) * Shape::DS_BYTES;
+                    dkdv_tile<T, BQ, D, decltype(ka), true>(dk_acc, dv_acc, ka, va, qb, gb, l, l + BQ, 1.0f, q0, key0,
+                                                            n_q, off, sl2, ds);
+                    mbar_arrive(empty + 8 * s);
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // dSᵀ for wgmma's reads
+                    named_sync(kTmaConsumerBarrier + wg - 1, 128);
+                    // dQᵀ = Kᵀ·dSᵀ over this warpgroup's 64 keys: Kᵀ M-major from the job's K tile
+                    wg_issue_ss<T, BQ, kTcRows, SwTile<kTmaRows, D>, SwTile<BQ, kTcRows>, 1, 0>(
+                        dqt[0], rows + (wg - 1) * kTcRows * SwTile<kTmaRows, D>::SW, ds, 0);
+                    wg_wait<0>();
+                    fence_regs(dqt[0]);
+                }
+                // the tile's dQ into stage t & 1: consumer 1 writes, consumer 2 adds (the stage's round t / 2)
+                const int t = kv + it, st = t & 1;
+                const u32 stage = dq_stage + st * Shape::DQ_STAGE_BYTES;
+                if (wg == 1) {
+                    mbar_wait(dq_empty + 8 * st, ((t >> 1) & 1) ^ 1);  // the writer has read tile t - 2 from it
+                    stage_dq<BQ, D>(stage, dqt, (int)threadIdx.x - 128);
+                    mbar_arrive(dq_half + 8 * st);
+                } else {
+                    mbar_wait(dq_half + 8 * st, (t >> 1) & 1);
+                    stage_dq<BQ, D, true>(stage, dqt, (int)threadIdx.x - 256);
+                    mbar_arrive(dq_full + 8 * st);
+                }
             }
-            dkdv_tile<T, BQ, D>(dk_acc, dv_acc, ka, va, qb, gb, l, l + BQ, 1.0f, q0, key0, n_q, off, sl2);
-            mbar_arrive(empty + 8 * s);  // this thread's products on stage s are done
         }
         kv += jb.n_tiles;
+        if constexpr (FusedDq) mbar_arrive(rows_empty);  // the job's last dQᵀ has read K
         const long long gbase = head_offset(jb.bh, n_h, dkv_sb, dkv_sh);
         frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
         frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
