@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16", help="comma-separated: " + ",".join(DTYPES))
     p.add_argument("--fwd", default="tma-pingpong",
                    help="comma-separated bf16/fp16 forward kernels: tma-pingpong,tma,wgmma")
-    p.add_argument("--bwd", default="auto", help="comma-separated bf16/fp16 backwards: auto,split,fused-bulk,split-tma")
+    p.add_argument("--bwd", default="auto", help="comma-separated bf16/fp16 backwards: auto,split,fused-bulk,split-tma,fused-tma")
     p.add_argument("--shapes", default="", help="comma-separated BxHxTxD (default: the paper's shapes)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ",".join(OPS))
     p.add_argument("--out", default=None, help="result file (default benchmarks/results/attention/attention-<date>.json)")
