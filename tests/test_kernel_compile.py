@@ -56,8 +56,8 @@ def test_block_constants_are_defined_once_in_python():
 KEPT_SPILLS = {f"attention_bwd_{kernel}<{t}, {args}>": spill for t in ("__nv_bfloat16", "__half") for kernel, args, spill in (
     ("dkdv_tc", "128", {"registers": 255, "stack": 16, "spill_stores": 12, "spill_loads": 12}),
     ("dkdv_tma", "128", {"registers": 168, "stack": 16, "spill_stores": 16, "spill_loads": 16}),
-    # the fused dK/dV/dQ kernel (KILN_ATTENTION_BWD=fused-tma), not yet timed on a GPU
-    ("dkdv_tma", "64, true", {"registers": 168, "stack": 16, "spill_stores": 12, "spill_loads": 12}))}
+    # the fused dK/dV/dQ kernel (KILN_ATTENTION_BWD=fused-tma; its timings: benchmarks/results/attention/NOTES.md)
+    ("dkdv_tma", "64, true", {"registers": 168, "stack": 8, "spill_stores": 4, "spill_loads": 4}))}
 
 
 @pytest.fixture(scope="module")

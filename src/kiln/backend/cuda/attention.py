@@ -85,6 +85,7 @@ TF32_ROWS = 64
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
 BWD_VARIANTS = ("auto", "split", "fused-bulk", "split-tma", "fused-tma")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
 FUSED_TMA_HEAD_DIMS = (64,)  # attention_bwd_dkdv_tma<.., true>: dQ from the job's K tile in shared memory
+FUSED_TMA_DQ_STAGES = 3  # its dQ stages (TmaBwdShape::DQ_STAGES)
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
 FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
 # The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
@@ -355,10 +356,11 @@ def bwd_tma_shared_bytes(d: int) -> int:
 
 def fused_tma_shared_bytes(d: int) -> int:
     """attention_bwd_dkdv_tma's with the fused dQ (TmaBwdShape): the split-tma kernels' layout up to the job slot,
-    then, 1024-aligned, each consumer's dSᵀ tile (BWD_TMA_ROWS x 64), two fp32 dQ stages (BWD_TMA_ROWS x d) and
-    their six mbarriers, and 1024 bytes to align the base."""
+    then, 1024-aligned, each consumer's dSᵀ tile (BWD_TMA_ROWS x 64), FUSED_TMA_DQ_STAGES fp32 dQ stages
+    (BWD_TMA_ROWS x d), their three mbarriers and two ints each, and 1024 bytes to align the base."""
     job_end = bwd_tma_shared_bytes(d) - 1024
-    return cdiv(job_end, 1024) * 1024 + 2 * BWD_TMA_ROWS * TC_ROWS * 2 + 2 * BWD_TMA_ROWS * d * 4 + 6 * 8 + 1024
+    return (cdiv(job_end, 1024) * 1024 + 2 * BWD_TMA_ROWS * TC_ROWS * 2
+            + FUSED_TMA_DQ_STAGES * (BWD_TMA_ROWS * d * 4 + 3 * 8 + 2 * 4) + 1024)
 
 
 def _tile_maps(q, k, v):

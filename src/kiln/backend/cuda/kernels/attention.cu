@@ -1688,6 +1688,14 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// Whether the phase of parity `parity` has completed, without waiting.
+__device__ __forceinline__ bool mbar_ready(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done;
+}
+
 // Named barriers of the 256 consumer threads (barrier 0 is __syncthreads'): sync waits for the
 // other consumer's arrival, arrive does not wait.
 __device__ __forceinline__ void named_sync(int id, int threads) {
@@ -1980,13 +1988,16 @@ template <int D> struct TmaBwdShape {
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
     static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 4);
     // The fused dK/dV/dQ kernel (FusedDq) only, after the job slot, 1024-aligned: each consumer's dSᵀ tile
-    // (SwTile<ROWS, kTcRows>), two dQ stages of a tile's fp32 dQ (ROWS x D, fragment-major) and their mbarriers
-    // (dq_half[2], dq_full[2], dq_empty[2]); the launcher's fused_tma_shared_bytes.
+    // (SwTile<ROWS, kTcRows>), DQ_STAGES stages of a tile's fp32 dQ (ROWS x D, fragment-major), their mbarriers
+    // (dq_half, dq_full, dq_empty, DQ_STAGES each) and each stage's tile (two ints: the tile's index in the
+    // accumulator and its place in line, or -1: no more tiles); the launcher's fused_tma_shared_bytes.
+    static constexpr int DQ_STAGES = 3;
     static constexpr int DS_OFFSET = (JOB_OFFSET + 8 + 1023) / 1024 * 1024;
     static constexpr int DS_BYTES = SwTile<ROWS, kTcRows>::BYTES;
     static constexpr int DQ_STAGE_BYTES = ROWS * D * 4;
     static constexpr int DQ_OFFSET = DS_OFFSET + 2 * DS_BYTES;
-    static constexpr int DQ_BAR_OFFSET = DQ_OFFSET + 2 * DQ_STAGE_BYTES;
+    static constexpr int DQ_BAR_OFFSET = DQ_OFFSET + DQ_STAGES * DQ_STAGE_BYTES;
+    static constexpr int DQ_TILE_OFFSET = DQ_BAR_OFFSET + 3 * 8 * DQ_STAGES;
 };
 
 // key_rows_issue's A operand: K's (V's) fragments in registers, or its tile's shared address.
@@ -2047,50 +2058,84 @@ __device__ __forceinline__ int bwd_read_job(int job, u32 job_full, u32 job_empty
     return w;
 }
 
-// The fused backward's dQ writer (one thread of the producer warpgroup): follows the consumers' jobs and tiles
-// (t counts the block's tiles: stage t & 1, its round t / 2) and adds each staged tile of dQ into the accumulator
-// in the tile's order: key blocks descending, from the last that sees the tile (which stores) down to key block 0.
-// It waits until the tile's counter equals its place in that order (acquire), copies the stage (one bulk store or
-// reduce-add), waits for the copy to complete, frees the stage and raises the counter (release): the next key block
-// in line then adds onto a complete sum, so every element's additions come in one order on every run.
-template <int D, int BQ>
+// A consumer's part of tile t's dQ (dqt, this warpgroup's fragments) into stage t % NS: consumer 1 (wg 1)
+// waits until the writer has read tile t - NS from it, writes its part and names the tile (its index in the
+// accumulator and its place in line), consumer 2 adds its own part once consumer 1's is there; the stage is
+// then full for dq_writer. Store false: only the tile's name (place -1 ends the writer).
+template <int BQ, int D, int NS, bool Store = true>
+__device__ __forceinline__ void dq_stage_tile(const float (&dqt)[1][BQ / 8][4], int wg, int t, int tile, int place,
+                                              u32 dq_stage, u32 dq_half, u32 dq_full, u32 dq_empty, int* tiles) {
+    const int st = t % NS, round = (t / NS) & 1;
+    const u32 stage = dq_stage + st * BQ * D * 4;
+    if (wg == 1) {
+        mbar_wait(dq_empty + 8 * st, round ^ 1);
+        if constexpr (Store) stage_dq<BQ, D>(stage, dqt, (int)threadIdx.x - 128);
+        if (threadIdx.x == 128) {
+            tiles[2 * st] = tile;
+            tiles[2 * st + 1] = place;
+        }
+        mbar_arrive(dq_half + 8 * st);
+    } else {
+        mbar_wait(dq_half + 8 * st, round);
+        if constexpr (Store) stage_dq<BQ, D, true>(stage, dqt, (int)threadIdx.x - 256);
+        mbar_arrive(dq_full + 8 * st);
+    }
+}
+
+// The fused backward's dQ writer (one thread of the producer warpgroup): takes the consumers' staged tiles in
+// their order (stage t % NS, its round t / NS; the stage's tile index and place in line beside it, written by
+// consumer 1; place -1: no more) and adds each into the accumulator in the tile's order: key blocks descending,
+// from the last that sees the tile (which stores) down to key block 0. It waits until the tile's counter equals
+// its place in that order (acquire), copies the stage (one bulk store or reduce-add), frees the stage once the
+// copy has read it, and raises the counter (release) once the copy has completed: the next key block in line then
+// adds onto a complete sum, so every element's additions come in one order on every run. The completion of a
+// tile's copy is waited for after the next tile's copy is issued (two in flight), or before the writer waits for
+// a counter or a stage (a tile of its own block may be the one before in line; nothing is held while it waits).
+template <int D, int BQ, int NS>
 __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_stage, u32 dq_full, u32 dq_empty,
-                                          u32 job_full, u32 job_empty, u32 job_slot, int n_bh, int n_kb, int n_work,
-                                          int group, int n_h, int n_q, int off) {
+                                          const int* tiles) {
     constexpr u32 BYTES = BQ * D * 4;
-    const int n_qt = (n_q + BQ - 1) / BQ;
-    int t = 0;
-    for (int job = 0;; ++job) {
-        const int w = bwd_read_job(job, job_full, job_empty, job_slot);
-        if (w >= n_work) return;
-        const TmaKeyJob<BQ, true> jb(w, n_bh, n_kb, group, n_h, n_q, off);
-        const int kb = jb.n0 / kTmaRows;
-        for (int it = 0; it < jb.n_tiles; ++it, ++t) {
-            const int q0 = jb.q_begin + it * BQ, qt = q0 / BQ;
-            // the key blocks that see the tile are 0 .. last: the last adds first
-            const int place = min(n_kb - 1, (q0 + BQ - 1 + off) / kTmaRows) - kb;
-            const u32 stage = dq_stage + (t & 1) * BYTES;
-            int* const sem = dq_sem + (long long)jb.bh * n_qt + qt;
-            float* const dst = dq_acc + ((long long)jb.bh * n_qt + qt) * BQ * D;
-            mbar_wait(dq_full + 8 * (t & 1), (t >> 1) & 1);
-            int seen;
+    int* pending = nullptr;  // the counter of the tile whose copy is in flight
+    auto settle = [&](bool all) {  // raise the counter of the tile in flight once its copy has completed
+        if (all)
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        else
+            asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the copy's writes before the release
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(pending) : "memory");
+        pending = nullptr;
+    };
+    for (int t = 0;; ++t) {
+        const int st = t % NS;
+        const u32 stage = dq_stage + st * BYTES;
+        if (pending && !mbar_ready(dq_full + 8 * st, (t / NS) & 1)) settle(true);
+        mbar_wait(dq_full + 8 * st, (t / NS) & 1);
+        const int tile = tiles[2 * st], place = tiles[2 * st + 1];
+        if (place < 0) break;
+        int* const sem = dq_sem + tile;
+        float* const dst = dq_acc + (long long)tile * BQ * D;
+        int seen;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+        if (seen != place) {
+            if (pending) settle(true);
             do {
                 asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
             } while (seen != place);
-            asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the acquire before the copy's async reads
-            if (place == 0)
-                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                             ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
-            else
-                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                             ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // read and written
-            mbar_arrive(dq_empty + 8 * (t & 1));
-            asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the copy's writes before the release
-            asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
         }
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the acquire before the copy's async reads
+        if (place == 0)
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                         ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
+        else
+            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                         ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the stage has been read
+        mbar_arrive(dq_empty + 8 * st);
+        if (pending) settle(false);
+        pending = sem;
     }
+    if (pending) settle(true);
 }
 
 // dK and dV for 128 keys a job: the producer's warp 1 copies each query tile's lse (in log2 units) and delta
@@ -2128,9 +2173,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     constexpr int BQ = Shape::ROWS, S = Shape::STAGES;
     extern __shared__ unsigned char dsmem[];
     const u32 base = align1024(dsmem);
-    // FusedDq: each consumer's dSᵀ tile, the two dQ stages and their barriers (two each: stage s at + 8 s)
+    // FusedDq: each consumer's dSᵀ tile, the dQ stages, their barriers (stage s at + 8 s) and tiles
+    constexpr int NS = Shape::DQ_STAGES;
     const u32 ds_tiles = base + Shape::DS_OFFSET, dq_stage = base + Shape::DQ_OFFSET;
-    const u32 dq_half = base + Shape::DQ_BAR_OFFSET, dq_full = dq_half + 16, dq_empty = dq_full + 16;
+    const u32 dq_half = base + Shape::DQ_BAR_OFFSET, dq_full = dq_half + 8 * NS, dq_empty = dq_full + 8 * NS;
+    int* const dq_tiles = reinterpret_cast<int*>(dsmem + (base - smem_addr(dsmem)) + Shape::DQ_TILE_OFFSET);
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
     const u32 rows_full = job_empty + 8, rows_empty = rows_full + 8, rows = base + Shape::KV_OFFSET;
     const u32 job_slot = base + Shape::JOB_OFFSET;
@@ -2143,12 +2190,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             mbar_init(empty + 8 * s, kTmaThreads - 128);
         }
         mbar_init(job_full, 1);
-        // the consumers, the producer's warp 1 and (FusedDq) its dQ writer
-        mbar_init(job_empty, kTmaThreads - 128 + 32 + (FusedDq ? 1 : 0));
+        mbar_init(job_empty, kTmaThreads - 128 + 32);  // the consumers and the producer's warp 1
         mbar_init(rows_full, 1);
         mbar_init(rows_empty, kTmaThreads - 128);
         if constexpr (FusedDq) {
-            for (int s = 0; s < 2; ++s) {
+            for (int s = 0; s < NS; ++s) {
                 mbar_init(dq_half + 8 * s, 128);  // consumer 1 has written stage s
                 mbar_init(dq_full + 8 * s, 128);  // consumer 2 has added its part: the stage holds the tile's dQ
                 mbar_init(dq_empty + 8 * s, 1);   // the writer's copy has read it
@@ -2162,8 +2208,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         if constexpr (FusedDq) {
             if (threadIdx.x == 64) {  // warp 2's lane 0: the dQ writer
-                dq_writer<D, BQ>(dq_acc, dq_sem, dq_stage, dq_full, dq_empty, job_full, job_empty, job_slot, n_bh,
-                                 n_kb, n_work, group, n_h, n_q, off);
+                dq_writer<D, BQ, NS>(dq_acc, dq_sem, dq_stage, dq_full, dq_empty, dq_tiles);
                 return;
             }
         }
@@ -2274,18 +2319,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                     wg_wait<0>();
                     fence_regs(dqt[0]);
                 }
-                // the tile's dQ into stage t & 1: consumer 1 writes, consumer 2 adds (the stage's round t / 2)
-                const int t = kv + it, st = t & 1;
-                const u32 stage = dq_stage + st * Shape::DQ_STAGE_BYTES;
-                if (wg == 1) {
-                    mbar_wait(dq_empty + 8 * st, ((t >> 1) & 1) ^ 1);  // the writer has read tile t - 2 from it
-                    stage_dq<BQ, D>(stage, dqt, (int)threadIdx.x - 128);
-                    mbar_arrive(dq_half + 8 * st);
-                } else {
-                    mbar_wait(dq_half + 8 * st, (t >> 1) & 1);
-                    stage_dq<BQ, D, true>(stage, dqt, (int)threadIdx.x - 256);
-                    mbar_arrive(dq_full + 8 * st);
-                }
+                // the tile's dQ into stage t % NS: consumer 1 writes it and names the tile, consumer 2 adds
+                // its own (the stage's round t / NS); the tiles the key blocks that see tile qt are 0 .. last,
+                // the last adds first
+                const int t = kv + it, qt = q0 / BQ;
+                const int place = min(n_kb - 1, (q0 + BQ - 1 + off) / kTmaRows) - jb.n0 / kTmaRows;
+                dq_stage_tile<BQ, D, NS>(dqt, wg, t, jb.bh * ((n_q + BQ - 1) / BQ) + qt, place, dq_stage, dq_half,
+                                         dq_full, dq_empty, dq_tiles);
             }
         }
         kv += jb.n_tiles;
@@ -2293,6 +2333,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const long long gbase = head_offset(jb.bh, n_h, dkv_sb, dkv_sh);
         frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
         frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
+    }
+    if constexpr (FusedDq) {  // no more tiles: the writer's last stage
+        float none[1][BQ / 8][4];
+        dq_stage_tile<BQ, D, NS, false>(none, wg, kv, 0, -1, dq_stage, dq_half, dq_full, dq_empty, dq_tiles);
     }
 }
 
