@@ -11,8 +11,8 @@ until 2026-12-05 each call was timed alone, which for kiln counted ~0.25 ms of P
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (PyTorch's own backend
 choice), and their ratio; with --fwd, kiln once per bf16/fp16 forward kernel named
 (KILN_ATTENTION_FWD: tma-pingpong, the default, and tma, flash-attention 3's structure, or wgmma) against the same
-SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: auto, the default: split-tma at head dims 64 and 128,
-else split; or split, fused-bulk, split-tma;
+SDPA timing, and with --bwd once per backward (KILN_ATTENTION_BWD: auto, the default: fused-tma at head dim 64 from
+2048 queries, else split-tma at head dims 64 and 128, else split; or split, fused-bulk, split-tma, fused-tma;
 KILN_ATTENTION_DKDV_TILES, read at import, sets the dK/dV kernel's tiles and is recorded in each row);
 rows "bwd" time kiln's backward alone against SDPA's fwd+bwd minus its fwd. FLOPs count the causal
 half: forward 4 B H T^2 D / 2, backward 2.5x that. --shapes and --ops narrow the run (an A/B of one kernel

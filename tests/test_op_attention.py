@@ -323,25 +323,27 @@ def test_attention_bwd_variant_is_named_by_the_environment(monkeypatch):
         bwd_variant()
 
 
-def test_attention_bwd_auto_takes_split_tma_at_head_dims_64_and_128(monkeypatch):
-    from kiln.backend.cuda.attention import bwd_kernels
+def test_attention_bwd_auto_takes_fused_tma_at_long_head_dim_64_and_split_tma_else(monkeypatch):
+    from kiln.backend.cuda.attention import FUSED_TMA_MIN_QUERIES as LONG, bwd_kernels
     monkeypatch.delenv("KILN_ATTENTION_BWD", raising=False)
-    assert bwd_kernels(True, 64) == "split-tma"
-    assert bwd_kernels(True, 128) == "split-tma"
-    assert bwd_kernels(True, 48) == "split"
-    assert bwd_kernels(False, 64) == "split"  # float32: the CUDA-core kernels
+    assert bwd_kernels(True, 64, LONG - 1) == "split-tma"
+    assert bwd_kernels(True, 64, LONG) == "fused-tma"
+    assert bwd_kernels(True, 128, LONG) == "split-tma"
+    assert bwd_kernels(True, 48, LONG) == "split"
+    assert bwd_kernels(False, 64, LONG) == "split"  # float32: the CUDA-core kernels
     monkeypatch.setenv("KILN_ATTENTION_BWD", "split")
-    assert bwd_kernels(True, 64) == "split"
+    assert bwd_kernels(True, 64, LONG) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "split-tma")
-    assert bwd_kernels(True, 128) == "split-tma"
-    assert bwd_kernels(True, 48) == "split"
+    assert bwd_kernels(True, 64, LONG) == "split-tma"
+    assert bwd_kernels(True, 128, 1024) == "split-tma"
+    assert bwd_kernels(True, 48, 1024) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-tma")
-    assert bwd_kernels(True, 64) == "fused-tma"
-    assert bwd_kernels(True, 128) == "split-tma"  # the fused dQ reads K from shared memory at head dim 64 only
-    assert bwd_kernels(False, 64) == "split"
+    assert bwd_kernels(True, 64, 512) == "fused-tma"
+    assert bwd_kernels(True, 128, LONG) == "split-tma"  # the fused dQ reads K from shared memory at head dim 64 only
+    assert bwd_kernels(False, 64, LONG) == "split"
     monkeypatch.setenv("KILN_ATTENTION_BWD", "fused-bulk")
-    assert bwd_kernels(True, 128) == "fused-bulk"
-    assert bwd_kernels(True, 48) == "split"
+    assert bwd_kernels(True, 128, 1024) == "fused-bulk"
+    assert bwd_kernels(True, 48, 1024) == "split"
 
 
 @pytest.mark.cuda

@@ -45,12 +45,15 @@ consumers' dO and O fragments, written for dK/dV): no delta kernel. Bitwise repe
 (2026-12-07) it took 0.89-0.92x split's time at every D = 64 shape measured (T 512-16384), 0.79x at the three
 D = 128 shapes; one job a block (before the ticket) it lost at T <= 1024. At head dim 128 the dK/dV kernel's
 consumers read K and V from shared memory: its registers do not hold them besides dK and dV there.
-KILN_ATTENTION_BWD=fused-tma (head dim 64; written 2026-12-07, not yet run on a GPU) is split-tma's dK/dV kernel
-forming dQ too (`attention_bwd_dkdv_tma<.., true>`: 5 products a tile where split-tma's two kernels take 7), added
-into an fp32 accumulator in a fixed order: a query tile's contributions in descending key-block order behind a
-counter a tile, the jobs handed out in that order so that in lockstep no block waits (modelled at 0.71-0.80x
-split's time: benchmarks/attention_fused_schedule.py), then attention_bwd_dq_store writes dq. Bitwise repeatable.
-KILN_ATTENTION_BWD=auto, the default, runs split-tma at head dims 64 and 128 and split at the others.
+KILN_ATTENTION_BWD=fused-tma (head dim 64) is split-tma's dK/dV kernel forming dQ too
+(`attention_bwd_dkdv_tma<.., true>`: 5 products a tile where split-tma's two kernels take 7), added into an fp32
+accumulator in a fixed order: a query tile's contributions in descending key-block order behind a counter a tile,
+the jobs handed out in that order so that in lockstep no block waits (modelled at 0.71-0.80x split's time:
+benchmarks/attention_fused_schedule.py), then attention_bwd_dq_store writes dq. Bitwise repeatable. On an H100
+(2026-12-07) it took 0.92x split-tma's time at 8x12x2048x64 and 0.88x at 2x12x16384x64 (the long-context bf16
+step 1.07x the tokens/s), but 1.0x at T 1024 and 1.08x at T 512: the model's 0.71-0.80x is not reached.
+KILN_ATTENTION_BWD=auto, the default, runs fused-tma at head dim 64 from FUSED_TMA_MIN_QUERIES (2048) queries,
+split-tma at head dims 64 and 128 otherwise, and split at the others.
 KILN_ATTENTION_DKDV_TILES (a tuning knob, read at import) sets the split dK/dV kernel's query rows a
 tile and the resident blocks it asks ptxas for, per head dim (the fused kernel keeps its own: its dQᵀ
 products need 64 rows at D = 64).
@@ -86,6 +89,9 @@ FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/
 BWD_VARIANTS = ("auto", "split", "fused-bulk", "split-tma", "fused-tma")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
 FUSED_TMA_HEAD_DIMS = (64,)  # attention_bwd_dkdv_tma<.., true>: dQ from the job's K tile in shared memory
 FUSED_TMA_DQ_STAGES = 3  # its dQ stages (TmaBwdShape::DQ_STAGES)
+# "auto" runs fused-tma from this many queries: it took 0.92-0.88x split-tma's backward time at T 2048-16384 on an
+# H100, 1.0x at T 1024 and 1.08x at T 512 (benchmarks/results/attention/NOTES.md, 2026-12-07 s18)
+FUSED_TMA_MIN_QUERIES = 2048
 FUSED_HEAD_DIMS = (64, 128)  # attention_bwd_fused_tc: dQᵀ's products are 64 rows of D each
 FUSED_Q = {64: 64, 128: 16}  # attention_bwd_fused_tc's query rows a tile
 # The split dK/dV kernel's (query rows a tile, resident blocks asked of ptxas) by default. D = 128 takes
@@ -190,10 +196,13 @@ def bwd_variant() -> str:
     return _variant("KILN_ATTENTION_BWD", BWD_VARIANTS)
 
 
-def bwd_kernels(tensor_cores: bool, d: int) -> str:
+def bwd_kernels(tensor_cores: bool, d: int, n_q: int) -> str:
     """The backward that runs: KILN_ATTENTION_BWD's where it covers the case (tensor cores, its head dims), "auto"
-    split-tma where that does (head dims 64 and 128), else split."""
+    fused-tma at head dim 64 from FUSED_TMA_MIN_QUERIES queries, else split-tma where that does (head dims 64 and
+    128), else split."""
     variant = bwd_variant() if tensor_cores and d in FUSED_HEAD_DIMS else "split"
+    if variant == "auto" and d in FUSED_TMA_HEAD_DIMS and n_q >= FUSED_TMA_MIN_QUERIES:
+        variant = "fused-tma"
     if variant == "fused-tma" and d not in FUSED_TMA_HEAD_DIMS:
         variant = "split-tma"
     if variant in ("auto", "split-tma"):
@@ -451,7 +460,7 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     (dq,), dqs = _destinations(None if into is None else into[:1], q)
     (dk, dv), dkvs = _destinations(None if into is None else into[1:], k, 2)
     delta = cp.empty((b, h, n_q), dtype=cp.float32)
-    variant = bwd_kernels(tc, d)
+    variant = bwd_kernels(tc, d, n_q)
     maps = _bwd_tile_maps(q, grad, k, v, out) if variant == "split-tma" and n_q and n_k else None
     if maps is not None:  # dQ first: its consumers form delta from their dO and O fragments, which dK/dV reads
         q_map, g_map, k_map, v_map, o_map = maps
