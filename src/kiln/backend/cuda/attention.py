@@ -88,7 +88,7 @@ TF32_ROWS = 64
 FWD_VARIANTS = ("tma-pingpong", "tma", "wgmma")  # KILN_ATTENTION_FWD: the bf16/fp16 forward kernel
 BWD_VARIANTS = ("auto", "split", "fused-bulk", "split-tma", "fused-tma")  # KILN_ATTENTION_BWD: the bf16/fp16 backwards
 FUSED_TMA_HEAD_DIMS = (64,)  # attention_bwd_dkdv_tma<.., true>: dQ from the job's K tile in shared memory
-FUSED_TMA_DQ_STAGES = 2  # its dQ stages a consumer (TmaBwdShape::DQ_STAGES)
+FUSED_TMA_DQ_STAGES = 3  # its dQ stages (TmaBwdShape::DQ_STAGES)
 # "auto" runs fused-tma from this many queries: it took 0.92-0.88x split-tma's backward time at T 2048-16384 on an
 # H100, 1.0x at T 1024 and 1.08x at T 512 (benchmarks/results/attention/NOTES.md, 2026-12-07 s18)
 FUSED_TMA_MIN_QUERIES = 2048
@@ -162,8 +162,7 @@ def _instantiations():
             for d in FUSED_HEAD_DIMS]
     out += [f"attention_bwd_{k}_tma<{t}, {d}>" for k in ("dkdv", "dq") for t in FLOAT_CTYPES[1:]
             for d in BWD_TMA_HEAD_DIMS]
-    out += [f"attention_bwd_{k}<{t}, {d}, {a}>" for k, a in (("dkdv_tma", "true"), ("dq_store", 2))
-            for t in FLOAT_CTYPES[1:] for d in FUSED_TMA_HEAD_DIMS]
+    out += [f"attention_bwd_dkdv_tma<{t}, {d}, true>" for t in FLOAT_CTYPES[1:] for d in FUSED_TMA_HEAD_DIMS]
     return out
 
 
@@ -366,11 +365,11 @@ def bwd_tma_shared_bytes(d: int) -> int:
 
 def fused_tma_shared_bytes(d: int) -> int:
     """attention_bwd_dkdv_tma's with the fused dQ (TmaBwdShape): the split-tma kernels' layout up to the job slot,
-    then, 1024-aligned, each consumer's dSᵀ tile (BWD_TMA_ROWS x 64) and FUSED_TMA_DQ_STAGES fp32 dQ stages
-    (BWD_TMA_ROWS x d), their two mbarriers and two ints each, and 1024 bytes to align the base."""
+    then, 1024-aligned, each consumer's dSᵀ tile (BWD_TMA_ROWS x 64), FUSED_TMA_DQ_STAGES fp32 dQ stages
+    (BWD_TMA_ROWS x d), their three mbarriers and two ints each, and 1024 bytes to align the base."""
     job_end = bwd_tma_shared_bytes(d) - 1024
     return (cdiv(job_end, 1024) * 1024 + 2 * BWD_TMA_ROWS * TC_ROWS * 2
-            + 2 * FUSED_TMA_DQ_STAGES * (BWD_TMA_ROWS * d * 4 + 2 * 8 + 2 * 4) + 1024)
+            + FUSED_TMA_DQ_STAGES * (BWD_TMA_ROWS * d * 4 + 3 * 8 + 2 * 4) + 1024)
 
 
 def _tile_maps(q, k, v):
@@ -492,17 +491,15 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         n_kb, n_qt, sms = cdiv(n_k, TMA_ROWS), cdiv(n_q, BWD_TMA_ROWS), rt.sm_count()
         assert FUSED_Q[d] == BWD_TMA_ROWS  # attention_bwd_dq_store's tiles
         rt.stream()  # the memsets below are CuPy's: on kiln's stream, so a captured step zeroes every replay
-        sem = cp.zeros((2 * b * h * n_qt + 1,), dtype=cp.int32)  # the counters, then the ticket
-        # a consumer warpgroup's sums each, every tile stored by its first in line
-        acc = cp.empty((2, b * h, n_qt * BWD_TMA_ROWS, d), dtype=cp.float32)
+        sem = cp.zeros((b * h * n_qt + 1,), dtype=cp.int32)  # the counters, then the ticket
+        acc = cp.empty((b * h, n_qt * BWD_TMA_ROWS, d), dtype=cp.float32)  # every tile stored by its first in line
         get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}, true>")(
             (min(n_kb * b * h, sms),), (TMA_THREADS,),
             (q_map, g_map, k_map, v_map, k, v, lse, delta, dk, dv, sem[-1:], i32(n_q), i32(n_k), i32(off), i32(h),
              i32(b * h), f32(scale), *_args(kvs, dkvs), i32(head_group(b * h, n_kb, sms)), acc, sem),
             shared_mem=fused_tma_shared_bytes(d))
-        get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}, 2>")(
-            (cdiv(acc.size // 8, 256),), (256,), (acc, dq, i64(acc.size // 2), i32(n_q), i32(h), f32(scale),
-                                                  *_args(dqs)))
+        get_kernel("attention.cu", f"attention_bwd_dq_store<{t}, {d}>")(
+            (cdiv(acc.size // 4, 256),), (256,), (acc, dq, i64(acc.size), i32(n_q), i32(h), f32(scale), *_args(dqs)))
         return _fill(into, (dq, dk, dv))
     common = (i32(n_q), i32(n_k), i32(off), i32(h), f32(scale), *_args(qs, kvs, gs))
     if variant == "fused-bulk":

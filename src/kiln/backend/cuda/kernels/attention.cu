@@ -1425,14 +1425,25 @@ __device__ __forceinline__ void sts128(u32 addr, float a, float b, float c, floa
 
 // A tile's dQ (dqt[D / 64][BQ / 8][4], the C fragments of thread t of its warpgroup) into the stage at shared
 // address dst, fragment-major: float4 f of thread t at (f · 128 + t) · 16 bytes; fenced for the bulk copy.
-template <int BQ, int D>
+// Add: added to what the stage holds (the other warpgroup's dQ of the same tile, in a fixed order).
+template <int BQ, int D, bool Add = false>
 __device__ __forceinline__ void stage_dq(u32 dst, const float (&dqt)[D / 64][BQ / 8][4], int t) {
 #pragma unroll
     for (int mb = 0; mb < D / 64; ++mb)
 #pragma unroll
-        for (int j = 0; j < BQ / 8; ++j)
-            sts128(dst + ((mb * (BQ / 8) + j) * kAttnThreads + t) * 16, dqt[mb][j][0], dqt[mb][j][1], dqt[mb][j][2],
-                   dqt[mb][j][3]);
+        for (int j = 0; j < BQ / 8; ++j) {
+            const u32 at = dst + ((mb * (BQ / 8) + j) * kAttnThreads + t) * 16;
+            float x0 = dqt[mb][j][0], x1 = dqt[mb][j][1], x2 = dqt[mb][j][2], x3 = dqt[mb][j][3];
+            if constexpr (Add) {
+                float y0, y1, y2, y3;
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(y0), "=f"(y1), "=f"(y2), "=f"(y3) : "r"(at) : "memory");
+                x0 = y0 + x0;
+                x1 = y1 + x1;
+                x2 = y2 + x2;
+                x3 = y3 + x3;
+            }
+            sts128(at, x0, x1, x2, x3);
+        }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
@@ -1577,24 +1588,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_bwd_fused_tc(
 
 // The fused backward's last step: dq = scale * acc, acc fp32 [B·H, n_qt, BQ·D], each tile fragment-major:
 // float4 f of thread t (its dqt[mb][j], f = mb · BQ/8 + j) at f · 128 + t; dq in the caller's layout.
-// Parts > 1: acc holds Parts such sums of n floats one after another (fused-tma: one a consumer warpgroup),
-// added in order.
-template <typename T, int D, int Parts = 1>
+template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_store(const float* __restrict__ acc, T* __restrict__ dq,
                                                               long long n, int n_q, int n_h, float scale,
                                                               KILN_LAYOUT(dq)) {
     constexpr int BQ = TcShape<D>::fused_q;
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i >= n) return;
-    float4 x = *reinterpret_cast<const float4*>(acc + i);
-#pragma unroll
-    for (int part = 1; part < Parts; ++part) {
-        const float4 y = *reinterpret_cast<const float4*>(acc + part * n + i);
-        x.x += y.x;
-        x.y += y.y;
-        x.z += y.z;
-        x.w += y.w;
-    }
+    const float4 x = *reinterpret_cast<const float4*>(acc + i);
     const long long tile = i / (BQ * D);
     const int n_qt = (n_q + BQ - 1) / BQ, bh = (int)(tile / n_qt), qt = (int)(tile % n_qt);
     const int r = (int)(i % (BQ * D)) / 4, f = r / kAttnThreads, t = r % kAttnThreads;
@@ -1987,17 +1988,16 @@ template <int D> struct TmaBwdShape {
     static constexpr int BAR_OFFSET = VEC_OFFSET + STAGES * 2 * ROWS * 4;
     static constexpr int JOB_OFFSET = BAR_OFFSET + 8 * (2 * STAGES + 4);
     // The fused dK/dV/dQ kernel (FusedDq) only, after the job slot, 1024-aligned: each consumer's dSᵀ tile
-    // (SwTile<ROWS, kTcRows>), each consumer's DQ_STAGES stages of its part of a tile's fp32 dQ (ROWS x D,
-    // fragment-major), their mbarriers (dq_full, dq_empty, 2 · DQ_STAGES each) and each stage's tile (two ints:
-    // the tile's index in the accumulators and its place in line, or -1: no more tiles); the launcher's
-    // fused_tma_shared_bytes.
-    static constexpr int DQ_STAGES = 2;
+    // (SwTile<ROWS, kTcRows>), DQ_STAGES stages of a tile's fp32 dQ (ROWS x D, fragment-major), their mbarriers
+    // (dq_half, dq_full, dq_empty, DQ_STAGES each) and each stage's tile (two ints: the tile's index in the
+    // accumulator and its place in line, or -1: no more tiles); the launcher's fused_tma_shared_bytes.
+    static constexpr int DQ_STAGES = 3;
     static constexpr int DS_OFFSET = (JOB_OFFSET + 8 + 1023) / 1024 * 1024;
     static constexpr int DS_BYTES = SwTile<ROWS, kTcRows>::BYTES;
     static constexpr int DQ_STAGE_BYTES = ROWS * D * 4;
     static constexpr int DQ_OFFSET = DS_OFFSET + 2 * DS_BYTES;
-    static constexpr int DQ_BAR_OFFSET = DQ_OFFSET + 2 * DQ_STAGES * DQ_STAGE_BYTES;
-    static constexpr int DQ_TILE_OFFSET = DQ_BAR_OFFSET + 2 * 8 * 2 * DQ_STAGES;
+    static constexpr int DQ_BAR_OFFSET = DQ_OFFSET + DQ_STAGES * DQ_STAGE_BYTES;
+    static constexpr int DQ_TILE_OFFSET = DQ_BAR_OFFSET + 3 * 8 * DQ_STAGES;
 };
 
 // key_rows_issue's A operand: K's (V's) fragments in registers, or its tile's shared address.
@@ -2058,27 +2058,33 @@ __device__ __forceinline__ int bwd_read_job(int job, u32 job_full, u32 job_empty
     return w;
 }
 
-// A consumer's part of tile t's dQ (dqt, this warpgroup's fragments) into its stage t % NS (stage (wg - 1) · NS +
-// t % NS of the block's 2 · NS): it waits until the writer has read tile t - NS from it, writes its part and
-// names the tile (its index in the accumulators: consumer 2's parts go to the second, and its place in line);
-// the stage is then full for dq_writer. Store false: only the tile's name (place -1 ends the writer).
+// A consumer's part of tile t's dQ (dqt, this warpgroup's fragments) into stage t % NS: consumer 1 (wg 1)
+// waits until the writer has read tile t - NS from it, writes its part and names the tile (its index in the
+// accumulator and its place in line), consumer 2 adds its own part once consumer 1's is there; the stage is
+// then full for dq_writer. Store false: only the tile's name (place -1 ends the writer).
 template <int BQ, int D, int NS, bool Store = true>
 __device__ __forceinline__ void dq_stage_tile(const float (&dqt)[1][BQ / 8][4], int wg, int t, int tile, int place,
-                                              u32 dq_stage, u32 dq_full, u32 dq_empty, int* tiles) {
-    const int st = (wg - 1) * NS + t % NS, round = (t / NS) & 1;
-    mbar_wait(dq_empty + 8 * st, round ^ 1);
-    if constexpr (Store) stage_dq<BQ, D>(dq_stage + st * BQ * D * 4, dqt, (int)threadIdx.x - 128 * wg);
-    if (threadIdx.x == 128 * wg) {
-        tiles[2 * st] = tile;
-        tiles[2 * st + 1] = place;
+                                              u32 dq_stage, u32 dq_half, u32 dq_full, u32 dq_empty, int* tiles) {
+    const int st = t % NS, round = (t / NS) & 1;
+    const u32 stage = dq_stage + st * BQ * D * 4;
+    if (wg == 1) {
+        mbar_wait(dq_empty + 8 * st, round ^ 1);
+        if constexpr (Store) stage_dq<BQ, D>(stage, dqt, (int)threadIdx.x - 128);
+        if (threadIdx.x == 128) {
+            tiles[2 * st] = tile;
+            tiles[2 * st + 1] = place;
+        }
+        mbar_arrive(dq_half + 8 * st);
+    } else {
+        mbar_wait(dq_half + 8 * st, round);
+        if constexpr (Store) stage_dq<BQ, D, true>(stage, dqt, (int)threadIdx.x - 256);
+        mbar_arrive(dq_full + 8 * st);
     }
-    mbar_arrive(dq_full + 8 * st);
 }
 
-// The fused backward's dQ writer (one thread of the producer warpgroup): takes the consumers' staged parts in
-// their order (tile t: consumer 1's stage t % NS, then consumer 2's, NS + t % NS, each its round t / NS; the
-// stage's tile index and place in line beside it; place -1: no more), each into its consumer's accumulator, in
-// the tile's order: key blocks descending,
+// The fused backward's dQ writer (one thread of the producer warpgroup): takes the consumers' staged tiles in
+// their order (stage t % NS, its round t / NS; the stage's tile index and place in line beside it, written by
+// consumer 1; place -1: no more) and adds each into the accumulator in the tile's order: key blocks descending,
 // from the last that sees the tile (which stores) down to key block 0. It waits until the tile's counter equals
 // its place in that order (acquire), copies the stage (one bulk store or reduce-add), frees the stage once the
 // copy has read it, and raises the counter (release) once the copy has completed: the next key block in line then
@@ -2099,8 +2105,8 @@ __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_sta
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(pending) : "memory");
         pending = nullptr;
     };
-    for (int u = 0;; ++u) {
-        const int t = u >> 1, st = (u & 1) * NS + t % NS;
+    for (int t = 0;; ++t) {
+        const int st = t % NS;
         const u32 stage = dq_stage + st * BYTES;
         if (pending && !mbar_ready(dq_full + 8 * st, (t / NS) & 1)) settle(true);
         mbar_wait(dq_full + 8 * st, (t / NS) & 1);
@@ -2140,15 +2146,15 @@ __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_sta
 // consumers' registers hold dK and dV but not also K and V (that spilled 268 bytes): each consumer copies its 64
 // rows of K and V into its own tiles once a job, and Sᵀ and dPᵀ read them from there (key_rows_issue).
 //
-// FusedDq (KILN_ATTENTION_BWD=fused-tma, head dim 64): the same kernel also forms each tile's dQ,
-// deterministically. Each consumer stores its dSᵀ (64 keys x BQ queries) transposed to its own tile and computes
-// dQᵀ = Kᵀ·dSᵀ over its 64 keys (K from the job's rows tile, which therefore stays until the job's end) into a
-// stage of its own (the consumers never wait for each other), and the producer's thread 64 adds each stage into
-// its consumer's fp32 accumulator (dq_acc [2, B·H, n_qt, BQ·D], fragment-major, attention_bwd_dq_store's layout,
-// which adds the two) with one bulk copy, after the key blocks before it in line: a tile's contributions go in
-// descending key-block order (the last key block that sees the tile stores, the others reduce-add), each waiting
-// for the tile's counter (dq_sem[consumer][bh · n_qt + qt], zeroed by the launcher) to reach its place, then
-// raising it once its copy has completed. The jobs are handed out in that order too (TmaKeyJob's Descending), so a block reaches a
+// FusedDq (KILN_ATTENTION_BWD=fused-tma, head dim 64; not yet run on a GPU): the same kernel also forms each
+// tile's dQ, deterministically. Each consumer stores its dSᵀ (64 keys x BQ queries) transposed to its own tile
+// and computes dQᵀ = Kᵀ·dSᵀ over its 64 keys (K from the job's rows tile, which therefore stays until the job's
+// end); consumer 1 writes its dQ to a stage, consumer 2 adds its own (a fixed order), and the producer's warp 2
+// adds the stage into the fp32 accumulator dq_acc [B·H, n_qt, BQ·D] (fragment-major, attention_bwd_dq_store's
+// layout) with one bulk copy, after the key blocks before it in line: a tile's contributions go in descending
+// key-block order (the last key block that sees the tile stores, the others reduce-add), each waiting for the
+// tile's counter dq_sem[bh · n_qt + qt] (zeroed by the launcher) to reach its place, then raising it once its
+// copy has completed. The jobs are handed out in that order too (TmaKeyJob's Descending), so a block reaches a
 // tile two tiles' products after the one before it in line and, in lockstep, never waits: modelled at 0.71-0.80x
 // the split's time (benchmarks/attention_fused_schedule.py); a block only ever waits on jobs handed out before
 // its own, which are running or done (one block an SM, all resident). Bitwise repeatable.
@@ -2170,7 +2176,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     // FusedDq: each consumer's dSᵀ tile, the dQ stages, their barriers (stage s at + 8 s) and tiles
     constexpr int NS = Shape::DQ_STAGES;
     const u32 ds_tiles = base + Shape::DS_OFFSET, dq_stage = base + Shape::DQ_OFFSET;
-    const u32 dq_full = base + Shape::DQ_BAR_OFFSET, dq_empty = dq_full + 8 * 2 * NS;
+    const u32 dq_half = base + Shape::DQ_BAR_OFFSET, dq_full = dq_half + 8 * NS, dq_empty = dq_full + 8 * NS;
     int* const dq_tiles = reinterpret_cast<int*>(dsmem + (base - smem_addr(dsmem)) + Shape::DQ_TILE_OFFSET);
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
     const u32 rows_full = job_empty + 8, rows_empty = rows_full + 8, rows = base + Shape::KV_OFFSET;
@@ -2188,8 +2194,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         mbar_init(rows_full, 1);
         mbar_init(rows_empty, kTmaThreads - 128);
         if constexpr (FusedDq) {
-            for (int s = 0; s < 2 * NS; ++s) {
-                mbar_init(dq_full + 8 * s, 128);  // its consumer has written stage s
+            for (int s = 0; s < NS; ++s) {
+                mbar_init(dq_half + 8 * s, 128);  // consumer 1 has written stage s
+                mbar_init(dq_full + 8 * s, 128);  // consumer 2 has added its part: the stage holds the tile's dQ
                 mbar_init(dq_empty + 8 * s, 1);   // the writer's copy has read it
             }
         }
@@ -2312,12 +2319,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                     wg_wait<0>();
                     fence_regs(dqt[0]);
                 }
-                // this consumer's part of the tile's dQ into its stage (its accumulator: the second for
-                // consumer 2); the key blocks that see tile qt are 0 .. last, the last adds first
-                const int n_qt = (n_q + BQ - 1) / BQ, qt = q0 / BQ;
+                // the tile's dQ into stage t % NS: consumer 1 writes it and names the tile, consumer 2 adds
+                // its own (the stage's round t / NS); the tiles the key blocks that see tile qt are 0 .. last,
+                // the last adds first
+                const int t = kv + it, qt = q0 / BQ;
                 const int place = min(n_kb - 1, (q0 + BQ - 1 + off) / kTmaRows) - jb.n0 / kTmaRows;
-                dq_stage_tile<BQ, D, NS>(dqt, wg, kv + it, (wg - 1) * n_bh * n_qt + jb.bh * n_qt + qt, place,
-                                         dq_stage, dq_full, dq_empty, dq_tiles);
+                dq_stage_tile<BQ, D, NS>(dqt, wg, t, jb.bh * ((n_q + BQ - 1) / BQ) + qt, place, dq_stage, dq_half,
+                                         dq_full, dq_empty, dq_tiles);
             }
         }
         kv += jb.n_tiles;
@@ -2328,7 +2336,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     if constexpr (FusedDq) {  // no more tiles: the writer's last stage
         float none[1][BQ / 8][4];
-        dq_stage_tile<BQ, D, NS, false>(none, wg, kv, 0, -1, dq_stage, dq_full, dq_empty, dq_tiles);
+        dq_stage_tile<BQ, D, NS, false>(none, wg, kv, 0, -1, dq_stage, dq_half, dq_full, dq_empty, dq_tiles);
     }
 }
 
