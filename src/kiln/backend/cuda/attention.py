@@ -492,7 +492,7 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
         assert FUSED_Q[d] == BWD_TMA_ROWS  # attention_bwd_dq_store's tiles
         rt.stream()  # the memsets below are CuPy's: on kiln's stream, so a captured step zeroes every replay
         sem = cp.zeros((b * h * n_qt + 1,), dtype=cp.int32)  # the counters, then the ticket
-        acc = cp.zeros((b * h, n_qt * BWD_TMA_ROWS, d), dtype=cp.float32)  # EXPERIMENT
+        acc = cp.empty((b * h, n_qt * BWD_TMA_ROWS, d), dtype=cp.float32)  # every tile stored by its first in line
         get_kernel("attention.cu", f"attention_bwd_dkdv_tma<{t}, {d}, true>")(
             (min(n_kb * b * h, sms),), (TMA_THREADS,),
             (q_map, g_map, k_map, v_map, k, v, lse, delta, dk, dv, sem[-1:], i32(n_q), i32(n_k), i32(off), i32(h),

@@ -2114,8 +2114,16 @@ __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_sta
         if (place < 0) break;
         int* const sem = dq_sem + tile;
         float* const dst = dq_acc + (long long)tile * BQ * D;
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");  // EXPERIMENT: no chain, acc zeroed
-        if (place == 0 && false)
+        int seen;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+        if (seen != place) {
+            if (pending) settle(true);
+            do {
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
+            } while (seen != place);
+        }
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the acquire before the copy's async reads
+        if (place == 0)
             asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
                          ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
         else
