@@ -1,6 +1,7 @@
 """Would a deterministic fused attention backward beat the split one? Its schedule, simulated on the CPU.
 
-    python benchmarks/attention_fused_schedule.py [--sms 132] [--latency 0.5,1,2] [--overhead 0.3] [--out FILE]
+    python benchmarks/attention_fused_schedule.py [--sms 132] [--latency 0.5,1,2] [--overhead 0.3] [--copy 0,1.16]
+                                                  [--stages 3] [--out FILE]
 
 The split backward (KILN_ATTENTION_BWD=split-tma, the default) is bitwise repeatable because each dQ element is
 written by one thread: its dQ kernel walks the key tiles again and recomputes S and dP, 7 products a (128 keys x
@@ -19,7 +20,13 @@ and kiln's v5 fused kernel, 2026-12-05). Jobs go to the SMs persistent blocks fr
 adds need (a block only ever waits on jobs handed out before it: no deadlock), heads in groups of `group`.
 Per shape: the split's and the fused kernel's makespans (units, the most loaded block's finish), each against
 its ideal (work / SMs), and fused / split: the fused kernel's predicted time as a fraction of the split's.
-A model, not a measurement: it leaves out memory traffic (the adds' 16 KiB a pair at D 64 in L2) and clocks.
+The adds' own cost (--copy, units a tile): each block's one writer issues its tiles' adds in order, one at a
+time, each taking `copy` units (the 16 KiB fp32 reduce-add read from its stage and taken by L2), and the
+consumers run at most `stages` tiles ahead of it (a tile's stage is free once its add has been read). Copy 0 is
+the first model's free adds. Measured on an H100 (2026-12-07, benchmarks/results/attention/NOTES.md): the kernel
+without its order took the same time as with it, twice the adds a tile 1.6-1.85x the time: a copy costs ~1.16
+units (1.8 us against the split's 2.3 us a pair = 1.4 units). A model, not a measurement: clocks and jitter are
+left out.
 """
 
 from __future__ import annotations
@@ -72,9 +79,10 @@ def split_makespan(n_bh: int, t: int, sms: int, overhead: float) -> float:
 
 
 def fused_makespan(n_bh: int, t: int, sms: int, latency: float, overhead: float, descending: bool,
-                   group: int) -> float:
+                   group: int, copy: float = 0.0, stages: int = 3) -> float:
     """The fused kernel's finish: an event simulation of persistent blocks, jobs (head, key block) from a ticket in
-    groups of `group` heads, key blocks in the adds' order inside a group (heads inside a key block)."""
+    groups of `group` heads, key blocks in the adds' order inside a group (heads inside a key block); each block's
+    adds take `copy` units of its writer, in order, the consumers at most `stages` tiles ahead."""
     n_blocks, n_tiles = t // KEYS, t // QUERIES
     kbs = range(n_blocks - 1, -1, -1) if descending else range(n_blocks)
     order = [(h, kb) for g0 in range(0, n_bh, group) for kb in kbs for h in range(g0, min(g0 + group, n_bh))]
@@ -89,6 +97,9 @@ def fused_makespan(n_bh: int, t: int, sms: int, latency: float, overhead: float,
     # events: (time, seq, block, job index, tile): the block's products on that tile finish at time
     events, waiting, seq = [], {}, 0
     next_job, finish = 0, 0.0
+    writer = [0.0] * sms  # when each block's writer is free
+    copied = [[0.0] * stages for _ in range(sms)]  # when its last `stages` adds were read (a ring: tile i at i % S)
+    tiles = [0] * sms  # the adds each block has issued
 
     def start(block: int, now: float) -> None:
         nonlocal next_job, seq
@@ -106,19 +117,25 @@ def fused_makespan(n_bh: int, t: int, sms: int, latency: float, overhead: float,
         if turn[h][q] != position(kb, q):  # not this key block's turn at the tile: wait for the one before it
             waiting[(h, q, position(kb, q))] = (block, kb)
             continue
-        t_add = max(now, ready[h][q])
+        t_add = max(now, ready[h][q], writer[block])
+        writer[block] = t_add + copy
+        slot = tiles[block] % stages
+        tiles[block] += 1
+        copied[block][slot] = t_add + copy
         turn[h][q] += 1
-        ready[h][q] = t_add + latency
+        ready[h][q] = t_add + copy + latency
         nxt = waiting.pop((h, q, turn[h][q]), None)
         if nxt is not None:  # the next in line was waiting: its add may go once this one is visible
             heapq.heappush(events, (ready[h][q], seq, nxt[0], h, nxt[1], q))
             seq += 1
+        # the next tile's stage: free once the add `stages` tiles back was read
+        free = copied[block][tiles[block] % stages] if tiles[block] >= stages else 0.0
         if q + 1 < n_tiles:
-            heapq.heappush(events, (t_add + 1.0, seq, block, h, kb, q + 1))
+            heapq.heappush(events, (max(t_add + 1.0, free + 1.0), seq, block, h, kb, q + 1))
             seq += 1
         else:
-            finish = max(finish, t_add)
-            start(block, t_add)
+            finish = max(finish, t_add + copy)
+            start(block, max(t_add, free))
     assert not waiting and next_job == len(order), "a block waited forever"
     return finish
 
@@ -129,13 +146,16 @@ def main() -> None:
     ap.add_argument("--latency", default="0.5,1,2", help="units from one key block's add to the next one's")
     ap.add_argument("--overhead", type=float, default=0.3, help="units a job spends outside its tiles")
     ap.add_argument("--groups", default="1,4", help="heads a group of the fused kernel's ticket order")
+    ap.add_argument("--copy", default="0,1.16", help="units a block's writer takes an add (0: free adds)")
+    ap.add_argument("--stages", type=int, default=3, help="tiles the consumers may run ahead of the writer")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     latencies = [float(x) for x in a.latency.split(",")]
     groups = [int(x) for x in a.groups.split(",")]
-    cols = [(desc, lat, g) for desc in (True, False) for lat in latencies for g in groups]
+    copies = [float(x) for x in a.copy.split(",")]
+    cols = [(desc, lat, g, c) for c in copies for desc in (True, False) for lat in latencies for g in groups]
     head = ["B x H x T x D", "split (ideal)"] + [
-        f"{'desc' if d else 'asc'} L{lat:g} g{g}" for d, lat, g in cols]
+        f"{'desc' if d else 'asc'} L{lat:g} g{g}" + (f" C{c:g}" if c else "") for d, lat, g, c in cols]
     rows = []
     for b, h, t, d in SHAPES:
         n_bh, n_blocks, n_tiles = b * h, t // KEYS, t // QUERIES
@@ -143,8 +163,8 @@ def main() -> None:
         split = split_makespan(n_bh, t, a.sms, a.overhead)
         split_ideal = (SPLIT_DKDV + SPLIT_DQ) * pairs / a.sms
         cells = [f"{b}x{h}x{t}x{d}", f"{split:.0f} ({split / split_ideal:.2f})"]
-        for desc, lat, g in cols:
-            fused = fused_makespan(n_bh, t, a.sms, lat, a.overhead, desc, g)
+        for desc, lat, g, c in cols:
+            fused = fused_makespan(n_bh, t, a.sms, lat, a.overhead, desc, g, c, a.stages)
             cells.append(f"{fused / split:.2f} ({fused / (pairs / a.sms):.2f})")
         rows.append(cells)
         print(" | ".join(cells), flush=True)
@@ -152,8 +172,9 @@ def main() -> None:
     lines = [f"# A deterministic fused attention backward, simulated ({a.sms} SMs, a job's overhead {a.overhead} units)",
              "", "`python benchmarks/attention_fused_schedule.py`: the split backward's makespan in fused units (against",
              "its ideal), then per add order (desc: the last key block first; asc: the first first), latency L (units",
-             "between consecutive adds into a tile) and ticket head group g: the fused makespan / the split's (against",
-             "the fused ideal). Below 1: the fused kernel would be faster.", "",
+             "between consecutive adds into a tile), ticket head group g and a block's writer's units an add C (none:",
+             f"free adds; {a.stages} stages): the fused makespan / the split's (against the fused ideal). Below 1: the",
+             "fused kernel would be faster.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     out = a.out or ROOT / "benchmarks" / "results" / "attention" / f"fused-schedule-{date}.md"
     out.write_text("\n".join(lines) + "\n")

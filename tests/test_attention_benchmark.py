@@ -58,6 +58,23 @@ def test_the_fused_schedule_model_waits_only_where_the_adds_go_against_the_walk(
     assert fs.split_makespan(192, 1024, 132, 0.3) > fs.fused_makespan(192, 1024, 132, 1.0, 0.3, True, 1)
 
 
+def test_the_fused_schedule_model_is_bound_by_its_writer_when_an_add_takes_longer_than_a_tiles_products():
+    """attention_fused_schedule's writer: adds that take `copy` units each, one at a time a block, bound the kernel
+    at `copy` units a tile once they take longer than the products (1 unit); below that they cost ~nothing."""
+    fs = load_benchmark("attention_fused_schedule")
+    n_bh, t = 24, 4096
+    n_blocks, n_tiles = t // fs.KEYS, t // fs.QUERIES
+    per_sm = n_bh * sum(n_tiles - 2 * kb for kb in range(n_blocks)) / 132
+    free = fs.fused_makespan(n_bh, t, 132, 1.0, 0.3, True, 1)
+    assert fs.fused_makespan(n_bh, t, 132, 1.0, 0.3, True, 1, copy=0.5) == pytest.approx(free, rel=0.05)
+    slow = [fs.fused_makespan(n_bh, t, 132, 1.0, 0.3, True, 1, copy=copy) for copy in (1.5, 2.0)]
+    for copy, span in zip((1.5, 2.0), slow):  # the writer's adds end to end, plus the tail's imbalance
+        assert copy * per_sm <= span <= 1.3 * copy * per_sm, (copy, span, per_sm)
+    assert slow[1] > slow[0]
+    # one stage: the consumers wait for each add to have been read before the next tile
+    assert fs.fused_makespan(n_bh, t, 132, 1.0, 0.3, True, 1, copy=0.5, stages=1) > 1.3 * free
+
+
 def test_the_fused_kernels_places_in_line_are_each_tiles_walkers_in_descending_order():
     """The fused-tma kernel's arithmetic (its walk and its writer's place): at every query tile the key blocks that
     walk it hold places 0, 1, ... with no gap and no repeat, the last key block first, for any lengths and mask

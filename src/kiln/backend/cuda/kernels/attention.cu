@@ -2157,7 +2157,9 @@ __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_sta
 // copy has completed. The jobs are handed out in that order too (TmaKeyJob's Descending), so a block reaches a
 // tile two tiles' products after the one before it in line and, in lockstep, never waits: modelled at 0.71-0.80x
 // the split's time (benchmarks/attention_fused_schedule.py); a block only ever waits on jobs handed out before
-// its own, which are running or done (one block an SM, all resident). Bitwise repeatable.
+// its own, which are running or done (one block an SM, all resident). Bitwise repeatable. Measured on an H100
+// (2026-12-07): 0.875-0.94x split-tma's time at T 2048-16384, 1.0-1.07x at T <= 1024; without the order it takes
+// the same time: the writer's 16 KiB reduce-adds, ~1.8 us each, bound it (benchmarks/results/attention/NOTES.md).
 template <typename T, int D, bool FusedDq = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_bwd_dkdv_tma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap g_map,
