@@ -3,7 +3,7 @@
     python benchmarks/attention_fused_schedule.py [--sms 132] [--latency 0.5,1,2] [--overhead 0.3] [--copy 0,1.16]
                                                   [--stages 3] [--out FILE]
 
-The split backward (KILN_ATTENTION_BWD=split-tma, the default) is bitwise repeatable because each dQ element is
+The split backward (KILN_ATTENTION_BWD=split-tma, the default below 2048 queries) is bitwise repeatable because each dQ element is
 written by one thread: its dQ kernel walks the key tiles again and recomputes S and dP, 7 products a (128 keys x
 64 queries) pair where a fused kernel needs 5. A fused kernel adds each key block's dQ contribution into an fp32
 accumulator; to stay deterministic the adds into one query tile must come in a fixed order, each key block waiting
