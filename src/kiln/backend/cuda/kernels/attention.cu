@@ -2086,24 +2086,21 @@ __device__ __forceinline__ void dq_stage_tile(const float (&dqt)[1][BQ / 8][4], 
 // their order (stage t % NS, its round t / NS; the stage's tile index and place in line beside it, written by
 // consumer 1; place -1: no more) and adds each into the accumulator in the tile's order: key blocks descending,
 // from the last that sees the tile (which stores) down to key block 0. It waits until the tile's counter equals
-// its place in that order (acquire), copies the stage (one bulk store or reduce-add), and once the copy has
-// completed frees the stage and raises the counter (release): the next key block in line then adds onto a complete
-// sum, so every element's additions come in one order on every run. A tile's copy is waited for only after the
-// next tile's copy is issued (two in flight, their reads too), or before the writer waits for a counter or a
-// stage (a tile of its own block may be the one before in line; nothing is held while it waits).
+// its place in that order (acquire), copies the stage (one bulk store or reduce-add), frees the stage once the
+// copy has read it, and raises the counter (release) once the copy has completed: the next key block in line then
+// adds onto a complete sum, so every element's additions come in one order on every run. The completion of a
+// tile's copy is waited for after the next tile's copy is issued (two in flight), or before the writer waits for
+// a counter or a stage (a tile of its own block may be the one before in line; nothing is held while it waits).
 template <int D, int BQ, int NS>
 __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_stage, u32 dq_full, u32 dq_empty,
                                           const int* tiles) {
     constexpr u32 BYTES = BQ * D * 4;
     int* pending = nullptr;  // the counter of the tile whose copy is in flight
-    int unread = -1;         // the stage of that copy, until it is known to have been read
     auto settle = [&](bool all) {  // raise the counter of the tile in flight once its copy has completed
         if (all)
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
         else
             asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
-        if (unread >= 0) mbar_arrive(dq_empty + 8 * unread);  // completed, so read
-        unread = -1;
         asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the copy's writes before the release
         asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(pending) : "memory");
         pending = nullptr;
@@ -2133,9 +2130,10 @@ __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_sta
             asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                          ::"l"(dst), "r"(stage), "n"(BYTES) : "memory");
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        if (pending) settle(false);  // the copy before: read and completed; this one goes on in flight
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the stage has been read
+        mbar_arrive(dq_empty + 8 * st);
+        if (pending) settle(false);
         pending = sem;
-        unread = st;
     }
     if (pending) settle(true);
 }
