@@ -366,11 +366,10 @@ def bwd_tma_shared_bytes(d: int) -> int:
 def fused_tma_shared_bytes(d: int) -> int:
     """attention_bwd_dkdv_tma's with the fused dQ (TmaBwdShape): the split-tma kernels' layout up to the job slot,
     then, 1024-aligned, each consumer's dSᵀ tile (BWD_TMA_ROWS x 64), FUSED_TMA_DQ_STAGES fp32 dQ stages
-    (BWD_TMA_ROWS x d), their three mbarriers and two ints each, the two K tiles' mbarriers, and 1024 bytes to align
-    the base."""
+    (BWD_TMA_ROWS x d), their three mbarriers and two ints each, and 1024 bytes to align the base."""
     job_end = bwd_tma_shared_bytes(d) - 1024
     return (cdiv(job_end, 1024) * 1024 + 2 * BWD_TMA_ROWS * TC_ROWS * 2
-            + FUSED_TMA_DQ_STAGES * (BWD_TMA_ROWS * d * 4 + 3 * 8 + 2 * 4) + 2 * 8 + 1024)
+            + FUSED_TMA_DQ_STAGES * (BWD_TMA_ROWS * d * 4 + 3 * 8 + 2 * 4) + 1024)
 
 
 def _tile_maps(q, k, v):

@@ -1998,10 +1998,6 @@ template <int D> struct TmaBwdShape {
     static constexpr int DQ_OFFSET = DS_OFFSET + 2 * DS_BYTES;
     static constexpr int DQ_BAR_OFFSET = DQ_OFFSET + DQ_STAGES * DQ_STAGE_BYTES;
     static constexpr int DQ_TILE_OFFSET = DQ_BAR_OFFSET + 3 * 8 * DQ_STAGES;
-    // and the mbarriers of the two K tiles (k_empty[2]): a job's K stays for its dQ products to the job's end, so
-    // jobs alternate between the rows region's first and third tiles (V, read into registers at the job's start,
-    // keeps the second), and the next job's rows load while this job runs
-    static constexpr int K_BAR_OFFSET = DQ_TILE_OFFSET + 2 * 4 * DQ_STAGES;
 };
 
 // key_rows_issue's A operand: K's (V's) fragments in registers, or its tile's shared address.
@@ -2184,7 +2180,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const u32 ds_tiles = base + Shape::DS_OFFSET, dq_stage = base + Shape::DQ_OFFSET;
     const u32 dq_half = base + Shape::DQ_BAR_OFFSET, dq_full = dq_half + 8 * NS, dq_empty = dq_full + 8 * NS;
     int* const dq_tiles = reinterpret_cast<int*>(dsmem + (base - smem_addr(dsmem)) + Shape::DQ_TILE_OFFSET);
-    const u32 k_empty = base + Shape::K_BAR_OFFSET;
     const u32 full = base + Shape::BAR_OFFSET, empty = full + 8 * S, job_full = empty + 8 * S, job_empty = job_full + 8;
     const u32 rows_full = job_empty + 8, rows_empty = rows_full + 8, rows = base + Shape::KV_OFFSET;
     const u32 job_slot = base + Shape::JOB_OFFSET;
@@ -2206,8 +2201,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                 mbar_init(dq_full + 8 * s, 128);  // consumer 2 has added its part: the stage holds the tile's dQ
                 mbar_init(dq_empty + 8 * s, 1);   // the writer's copy has read it
             }
-            mbar_init(k_empty, kTmaThreads - 128);  // the consumers are done with K tile 0 (the job's dQ products)
-            mbar_init(k_empty + 8, kTmaThreads - 128);  // ... with K tile 1 (the rows region's third tile)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -2231,11 +2224,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             if (threadIdx.x == 0) {
                 if constexpr (Shape::ROWS_SMEM) {  // the job's keys: K and V, once the consumers hold the last job's
                     mbar_wait(rows_empty, (job & 1) ^ 1);
-                    // FusedDq: K into the job's K tile, once the job two before it is done with it
-                    if constexpr (FusedDq) mbar_wait(k_empty + 8 * (job & 1), ((job >> 1) & 1) ^ 1);
                     mbar_expect_tx(rows_full, 2 * Shape::ROWS_TILE_BYTES);
-                    tma_rows<kTmaRows, BQ, D>(rows + (FusedDq ? (job & 1) * 2 * Shape::ROWS_TILE_BYTES : 0), k_map,
-                                              jb.n0, jb.h, jb.b, rows_full);
+                    tma_rows<kTmaRows, BQ, D>(rows, k_map, jb.n0, jb.h, jb.b, rows_full);
                     tma_rows<kTmaRows, BQ, D>(rows + Shape::ROWS_TILE_BYTES, v_map, jb.n0, jb.h, jb.b, rows_full);
                 }
                 for (int it = 0; it < jb.n_tiles; ++it, ++kv) {
@@ -2273,8 +2263,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         if (w >= n_work) break;
         const Job jb(w, n_bh, n_kb, group, n_h, n_q, off);
         const int key0 = jb.n0 + (wg - 1) * kTcRows + warp * 16;
-        // the job's K tile (FusedDq: the rows region's first or third, by the job's parity)
-        const u32 k_rows = rows + (FusedDq ? (job & 1) * 2 * Shape::ROWS_TILE_BYTES : 0);
         const long long kvbase = head_offset(jb.bh, n_h, kv_sb, kv_sh);
         typename KeyRowsOf<Shape::KV_SMEM, D>::type ka, va;
         if constexpr (Shape::KV_SMEM) {
@@ -2292,12 +2280,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             // this warp's rows of the job's K and V tiles (zeros past n_k: TMA's fill)
             const int r = key0 - jb.n0;
             mbar_wait(rows_full, job & 1);
-            frag_load_a_smem<kTmaRows, D>(ka, k_rows, r);
+            frag_load_a_smem<kTmaRows, D>(ka, rows, r);
             frag_load_a_smem<kTmaRows, D>(va, rows + Shape::ROWS_TILE_BYTES, r);
             // read through the generic proxy, rewritten by the producer's next TMA (the async proxy); FusedDq's
-            // dQᵀ reads K from its tile until the job's end (k_empty)
+            // dQᵀ reads K from the tile until the job's end
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(rows_empty);
+            if constexpr (!FusedDq) mbar_arrive(rows_empty);
         }
         float dk_acc[D / 8][4], dv_acc[D / 8][4];
         zero_acc(dk_acc);
@@ -2329,7 +2317,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                     named_sync(kTmaConsumerBarrier + wg - 1, 128);
                     // dQᵀ = Kᵀ·dSᵀ over this warpgroup's 64 keys: Kᵀ M-major from the job's K tile
                     wg_issue_ss<T, BQ, kTcRows, SwTile<kTmaRows, D>, SwTile<BQ, kTcRows>, 1, 0>(
-                        dqt[0], k_rows + (wg - 1) * kTcRows * SwTile<kTmaRows, D>::SW, ds, 0);
+                        dqt[0], rows + (wg - 1) * kTcRows * SwTile<kTmaRows, D>::SW, ds, 0);
                     wg_wait<0>();
                     fence_regs(dqt[0]);
                 }
@@ -2343,10 +2331,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             }
         }
         kv += jb.n_tiles;
-        if constexpr (FusedDq) {  // the job's last dQᵀ has read K: its tile may take the job after next's
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            mbar_arrive(k_empty + 8 * (job & 1));
-        }
+        if constexpr (FusedDq) mbar_arrive(rows_empty);  // the job's last dQᵀ has read K
         const long long gbase = head_offset(jb.bh, n_h, dkv_sb, dkv_sh);
         frag_store<T, D>(dk + gbase, (int)dkv_st, dk_acc, key0, n_k, scale, scale);
         frag_store<T, D>(dv + gbase, (int)dkv_st, dv_acc, key0, n_k, 1.0f, 1.0f);
