@@ -1,7 +1,7 @@
 """Would a deterministic fused attention backward beat the split one? Its schedule, simulated on the CPU.
 
     python benchmarks/attention_fused_schedule.py [--sms 132] [--latency 0.5,1,2] [--overhead 0.3] [--copy 0,1.16]
-                                                  [--stages 3] [--out FILE]
+                                                  [--stages 3] [--fused-overhead 2] [--out FILE]
 
 The split backward (KILN_ATTENTION_BWD=split-tma, the default below 2048 queries) is bitwise repeatable because each dQ element is
 written by one thread: its dQ kernel walks the key tiles again and recomputes S and dP, 7 products a (128 keys x
@@ -25,8 +25,10 @@ time, each taking `copy` units (the 16 KiB fp32 reduce-add read from its stage a
 consumers run at most `stages` tiles ahead of it (a tile's stage is free once its add has been read). Copy 0 is
 the first model's free adds. Measured on an H100 (2026-12-07, benchmarks/results/attention/NOTES.md): the kernel
 without its order took the same time as with it, twice the adds a tile 1.6-1.85x the time: a copy costs ~1.16
-units (1.8 us against the split's 2.3 us a pair = 1.4 units). A model, not a measurement: clocks and jitter are
-left out.
+units (1.8 us against the split's 2.3 us a pair = 1.4 units). A job's overhead outside its tiles may differ
+between the kernels (--fused-overhead; default --overhead): fused-tma's K tile is held to its job's end, so the
+next job's rows and first tiles load only then; at copy 1.16 and a fused job overhead of 2 units the model gives
+the five measured D64 shapes' fused/split within 0.06, four of them within 0.04 (2026-12-07). A model, not a measurement: clocks and jitter are left out.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--latency", default="0.5,1,2", help="units from one key block's add to the next one's")
     ap.add_argument("--overhead", type=float, default=0.3, help="units a job spends outside its tiles")
+    ap.add_argument("--fused-overhead", type=float, default=None, help="the fused kernel's (default: --overhead)")
     ap.add_argument("--groups", default="1,4", help="heads a group of the fused kernel's ticket order")
     ap.add_argument("--copy", default="0,1.16", help="units a block's writer takes an add (0: free adds)")
     ap.add_argument("--stages", type=int, default=3, help="tiles the consumers may run ahead of the writer")
@@ -153,6 +156,7 @@ def main() -> None:
     latencies = [float(x) for x in a.latency.split(",")]
     groups = [int(x) for x in a.groups.split(",")]
     copies = [float(x) for x in a.copy.split(",")]
+    fused_overhead = a.overhead if a.fused_overhead is None else a.fused_overhead
     cols = [(desc, lat, g, c) for c in copies for desc in (True, False) for lat in latencies for g in groups]
     head = ["B x H x T x D", "split (ideal)"] + [
         f"{'desc' if d else 'asc'} L{lat:g} g{g}" + (f" C{c:g}" if c else "") for d, lat, g, c in cols]
@@ -164,12 +168,13 @@ def main() -> None:
         split_ideal = (SPLIT_DKDV + SPLIT_DQ) * pairs / a.sms
         cells = [f"{b}x{h}x{t}x{d}", f"{split:.0f} ({split / split_ideal:.2f})"]
         for desc, lat, g, c in cols:
-            fused = fused_makespan(n_bh, t, a.sms, lat, a.overhead, desc, g, c, a.stages)
+            fused = fused_makespan(n_bh, t, a.sms, lat, fused_overhead, desc, g, c, a.stages)
             cells.append(f"{fused / split:.2f} ({fused / (pairs / a.sms):.2f})")
         rows.append(cells)
         print(" | ".join(cells), flush=True)
     date = datetime.date.today().isoformat()
-    lines = [f"# A deterministic fused attention backward, simulated ({a.sms} SMs, a job's overhead {a.overhead} units)",
+    lines = [f"# A deterministic fused attention backward, simulated ({a.sms} SMs, a job's overhead {a.overhead} units,"
+             f" the fused kernel's {fused_overhead})",
              "", "`python benchmarks/attention_fused_schedule.py`: the split backward's makespan in fused units (against",
              "its ideal), then per add order (desc: the last key block first; asc: the first first), latency L (units",
              "between consecutive adds into a tile), ticket head group g and a block's writer's units an add C (none:",
