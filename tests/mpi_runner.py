@@ -77,7 +77,14 @@ def _run_torchrun_style(cmd: list, n: int, env: dict, timeout: float) -> subproc
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail(f"{' '.join(cmd)} as {n} torchrun-style ranks hung: rank {r} still running after {timeout} s")
+            seen = []  # what every rank said before it was killed (a pipe a lingering child holds is left unread)
+            for i, q in enumerate(procs):
+                try:
+                    seen.append(f"[{i}] " + (q.communicate(timeout=5)[1] or "").replace("\n", f"\n[{i}] "))
+                except subprocess.TimeoutExpired:
+                    seen.append(f"[{i}] (its stderr still held open)")
+            pytest.fail(f"{' '.join(cmd)} as {n} torchrun-style ranks hung: rank {r} still running after {timeout} s\n"
+                        + "\n".join(seen))
         done.append((p.returncode, stdout, stderr))
 
     def joined(i):

@@ -70,6 +70,12 @@ class PMIServer:
             self._abort(f"rank {self.rank} ended without MPI_Finalize")
         done = self.store.add(f"{self.prefix}/closed", 1)
         if getattr(self.store, "server", None) is not None:
+            # The rank's output ends with it: this process inherited the rank's stdout and stderr, and a
+            # reader of those (a launcher's pipe) must not wait on the store's lingering host for them
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 1)
+            os.dup2(quiet, 2)
+            os.close(quiet)
             deadline = time.monotonic() + self.timeout
             while done < self.size and time.monotonic() < deadline:
                 time.sleep(0.05)
