@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", default=",".join(CALLS), help="comma-separated, of " + ",".join(CALLS))
     args = p.parse_args(argv)
     names = args.calls.split(",")
-    if not names or set(names) - set(CALLS):
+    if set(names) - set(CALLS):
         p.error(f"--calls takes some of {','.join(CALLS)}; got {args.calls!r}")
     try:
         shapes = parse_shapes(args.shape)

@@ -2146,7 +2146,7 @@ __device__ __forceinline__ void dq_writer(float* dq_acc, int* dq_sem, u32 dq_sta
 // consumers' registers hold dK and dV but not also K and V (that spilled 268 bytes): each consumer copies its 64
 // rows of K and V into its own tiles once a job, and Sᵀ and dPᵀ read them from there (key_rows_issue).
 //
-// FusedDq (KILN_ATTENTION_BWD=fused-tma, head dim 64; not yet run on a GPU): the same kernel also forms each
+// FusedDq (KILN_ATTENTION_BWD=fused-tma, head dim 64): the same kernel also forms each
 // tile's dQ, deterministically. Each consumer stores its dSᵀ (64 keys x BQ queries) transposed to its own tile
 // and computes dQᵀ = Kᵀ·dSᵀ over its 64 keys (K from the job's rows tile, which therefore stays until the job's
 // end); consumer 1 writes its dQ to a stage, consumer 2 adds its own (a fixed order), and the producer's warp 2
