@@ -3,7 +3,9 @@ a folder of its own, the arms interleaved, and `benchmarks/attention.py`'s table
 
     here, in the checkout:  python benchmarks/ab.py prepare 53bfcb3 HEAD wt      (-> ab-arms/, git-ignored)
                             python benchmarks/ab.py prepare HEAD HEAD,KILN_DGELU=0   (an arm with a setting)
-    on the device:          python3 benchmarks/ab.py run --repeat 2 --logs $OUT/ab -- \\
+    on the device:          python3 benchmarks/ab.py check --logs $OUT/ab-tests -- \\
+                                python3 -m pytest -q -m cuda tests/test_op_attention.py   (all arms at once)
+                            python3 benchmarks/ab.py run --repeat 2 --logs $OUT/ab -- \\
                                 python3 benchmarks/attention.py --bwd split
                             python3 benchmarks/ab.py table $OUT/ab
 
@@ -76,28 +78,40 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
     return arms
 
 
-def run(arms_dir: Path, work: Path, logs: Path, cmd: list[str], repeat: int, timeout: float) -> list[dict]:
-    """Every arm's folder made from its archive, then the command run in each, arm after arm, `repeat` times."""
-    if not cmd:
-        raise SystemExit("ab.py run: no command after --")
+def extract(arms_dir: Path, work: Path) -> list[dict]:
+    """Every arm's folder (work/<name>) made from its archive; the manifest's arms, in order."""
     arms = json.loads((arms_dir / "manifest.json").read_text())
-    logs.mkdir(parents=True, exist_ok=True)
     for arm in arms:
         d = work / arm["name"]
         d.mkdir(parents=True, exist_ok=True)
         with tarfile.open(arms_dir / arm["file"]) as tar:
             tar.extractall(d, filter="data")
+    return arms
+
+
+def _arm_env(arm: dict, d: Path) -> dict:
+    """The arm's settings, its src/ first, its name and commit; output unbuffered, so the log of a run killed at
+    its timeout ends where the run stopped."""
+    return dict(os.environ, **arm.get("env", {}), PYTHONPATH=str(d / "src"), KILN_AB_ARM=arm["name"],
+                KILN_COMMIT=arm["commit"], PYTHONUNBUFFERED="1")
+
+
+def run(arms_dir: Path, work: Path, logs: Path, cmd: list[str], repeat: int, timeout: float) -> list[dict]:
+    """Every arm's folder made from its archive, then the command run in each, arm after arm, `repeat` times."""
+    if not cmd:
+        raise SystemExit("ab.py run: no command after --")
+    arms = extract(arms_dir, work)
+    logs.mkdir(parents=True, exist_ok=True)
     runs = []
     for i in range(1, repeat + 1):
         for arm in arms:
             d = work / arm["name"]
-            env = dict(os.environ, **arm.get("env", {}), PYTHONPATH=str(d / "src"), KILN_AB_ARM=arm["name"],
-                       KILN_COMMIT=arm["commit"])
             log = logs / f"{arm['name']}-{i}.log"
             t0 = time.monotonic()
             with open(log, "w") as f:
                 try:
-                    rc = subprocess.run(cmd, cwd=d, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                    rc = subprocess.run(cmd, cwd=d, env=_arm_env(arm, d), stdout=f, stderr=subprocess.STDOUT,
+                                        timeout=timeout).returncode
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
             runs.append({"arm": arm["name"], "commit": arm["commit"], "run": i, "rc": rc,
@@ -106,6 +120,37 @@ def run(arms_dir: Path, work: Path, logs: Path, cmd: list[str], repeat: int, tim
             # after every run: a device call cut off at its limit still has the table of the runs it finished
             (logs / "runs.json").write_text(json.dumps({"command": cmd, "arms": arms, "runs": runs}, indent=1) + "\n")
     return runs
+
+
+def check(arms_dir: Path, work: Path, logs: Path, cmd: list[str], timeout: float) -> list[dict]:
+    """The command (an arm's tests, before it is timed) in every arm's folder at once, not timed: one log an arm
+    (<name>-check.log) and {arm, commit, rc, seconds, last line} each, in the manifest's order. A run past
+    `timeout` is killed (rc "timeout": a kernel that hangs)."""
+    if not cmd:
+        raise SystemExit("ab.py check: no command after --")
+    arms = extract(arms_dir, work)
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    t0 = time.monotonic()
+    for arm in arms:
+        d = work / arm["name"]
+        f = open(logs / f"{arm['name']}-check.log", "w")
+        procs.append((arm, f, subprocess.Popen(cmd, cwd=d, env=_arm_env(arm, d), stdout=f, stderr=subprocess.STDOUT)))
+    checks = []
+    for arm, f, proc in procs:
+        try:
+            rc = proc.wait(timeout=max(0.0, timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = "timeout"
+        f.close()
+        lines = (logs / f"{arm['name']}-check.log").read_text(errors="replace").strip().splitlines()
+        checks.append({"arm": arm["name"], "commit": arm["commit"], "rc": rc,
+                       "seconds": round(time.monotonic() - t0, 1), "last": lines[-1] if lines else ""})
+        print(f"{arm['name']} ({arm['commit']}) check: rc {rc}: {checks[-1]['last']}", flush=True)
+    (logs / "checks.json").write_text(json.dumps({"command": cmd, "checks": checks}, indent=1) + "\n")
+    return checks
 
 
 def attention_rows(text: str) -> dict[tuple, float]:
@@ -177,16 +222,25 @@ def main(argv=None) -> int:
     r.add_argument("--repeat", type=int, default=2)
     r.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     r.add_argument("cmd", nargs=argparse.REMAINDER)
+    c = sub.add_parser("check", help="run the command after -- in every arm at once (its tests before timing it)")
+    c.add_argument("--arms", type=Path, default=ROOT / "ab-arms")
+    c.add_argument("--work", type=Path, default=Path("/tmp/kiln-ab"))
+    c.add_argument("--logs", type=Path, required=True)
+    c.add_argument("--timeout", type=float, default=300, help="seconds the checks may take together")
+    c.add_argument("cmd", nargs=argparse.REMAINDER)
     t = sub.add_parser("table", help="merge the runs' benchmarks/attention.py or gpt2_step.py figures")
     t.add_argument("logs", type=Path)
     args = ap.parse_args(argv)
     if args.what == "prepare":
         for arm in prepare(args.revs, ROOT, args.arms):
             print(f"{arm['file']}: {arm['rev']} = {arm['commit']}")
-    elif args.what == "run":
+    elif args.what in ("run", "check"):
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        runs = run(args.arms, args.work, args.logs, cmd, args.repeat, args.timeout)
-        return 0 if all(r["rc"] == 0 for r in runs) else 1
+        if args.what == "run":
+            done = run(args.arms, args.work, args.logs, cmd, args.repeat, args.timeout)
+        else:
+            done = check(args.arms, args.work, args.logs, cmd, args.timeout)
+        return 0 if all(r["rc"] == 0 for r in done) else 1
     else:
         sys.stdout.write(table(args.logs))
     return 0

@@ -62,6 +62,42 @@ def test_runs_json_names_the_finished_runs_after_each(repo, tmp_path, monkeypatc
     assert seen[-4:] == [0, 1, 2, 3]
 
 
+_MEET = """
+import os, pathlib, sys, time
+import kiln
+meet = pathlib.Path(os.environ["MEET"])
+(meet / os.environ["KILN_AB_ARM"]).write_text(os.environ["KILN_COMMIT"])
+t0 = time.monotonic()
+while len(list(meet.iterdir())) < int(os.environ["ARMS"]):  # every arm's check is running at once
+    if time.monotonic() - t0 > 30:
+        sys.exit("alone")
+    time.sleep(0.05)
+print("version", kiln.VERSION)
+if kiln.VERSION == 2:
+    sys.exit(3)
+if kiln.VERSION == 3:
+    time.sleep(60)
+"""
+
+
+def test_check_runs_every_arm_at_once_in_its_own_tree(repo, tmp_path, monkeypatch):
+    """ab.py check: the arms' tests side by side, each in its tree; a failing arm's rc and a hanging arm's
+    "timeout" (with what it printed before) are reported, and the exit status says whether all passed."""
+    ab = load_benchmark("ab")
+    ab.prepare(["HEAD~1", "HEAD", "wt"], repo, tmp_path / "arms")
+    (tmp_path / "meet").mkdir()
+    monkeypatch.setenv("MEET", str(tmp_path / "meet"))
+    monkeypatch.setenv("ARMS", "3")
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # check's own setting keeps the killed arm's line
+    rc = ab.main(["check", "--arms", str(tmp_path / "arms"), "--work", str(tmp_path / "work"), "--logs",
+                  str(tmp_path / "logs"), "--timeout", "20", "--", sys.executable, "-c", _MEET])
+    checks = json.loads((tmp_path / "logs" / "checks.json").read_text())["checks"]
+    assert [(c["arm"], c["rc"], c["last"]) for c in checks] == [
+        ("HEAD_1", 0, "version 1"), ("HEAD", 3, "version 2"), ("wt", "timeout", "version 3")]
+    assert rc == 1 and checks[0]["seconds"] < 20 <= checks[2]["seconds"] < 40
+    assert (tmp_path / "meet" / "wt").read_text().endswith("+wt")
+
+
 def _logs(folder, figures, log_text):
     """runs.json of arms base (aaa) and new (bbb), and a log a run: figures {arm: (run 1's, run 2's)}."""
     arms = [{"name": "base", "commit": "aaa"}, {"name": "new", "commit": "bbb"}]
