@@ -124,31 +124,41 @@ def run(arms_dir: Path, work: Path, logs: Path, cmd: list[str], repeat: int, tim
 
 def check(arms_dir: Path, work: Path, logs: Path, cmd: list[str], timeout: float) -> list[dict]:
     """The command (an arm's tests, before it is timed) in every arm's folder at once, not timed: one log an arm
-    (<name>-check.log) and {arm, commit, rc, seconds, last line} each, in the manifest's order. A run past
-    `timeout` is killed (rc "timeout": a kernel that hangs)."""
+    (<name>-check.log) and {arm, commit, rc, seconds (when it ended, from the start), last line} each, in the
+    manifest's order. A run still going `timeout` seconds after the start is killed (rc "timeout": a kernel
+    that hangs)."""
     if not cmd:
         raise SystemExit("ab.py check: no command after --")
     arms = extract(arms_dir, work)
     logs.mkdir(parents=True, exist_ok=True)
-    procs = []
     t0 = time.monotonic()
+    procs = {}
     for arm in arms:
         d = work / arm["name"]
         f = open(logs / f"{arm['name']}-check.log", "w")
-        procs.append((arm, f, subprocess.Popen(cmd, cwd=d, env=_arm_env(arm, d), stdout=f, stderr=subprocess.STDOUT)))
+        procs[arm["name"]] = (f, subprocess.Popen(cmd, cwd=d, env=_arm_env(arm, d), stdout=f, stderr=subprocess.STDOUT))
+    ended = {}  # arm -> (rc, seconds), as each ends
+    while len(ended) < len(procs):
+        late = time.monotonic() - t0 > timeout
+        for name, (f, proc) in procs.items():
+            if name in ended:
+                continue
+            rc = proc.poll()
+            if rc is None and late:
+                proc.kill()
+                proc.wait()
+                rc = "timeout"
+            if rc is not None:
+                f.close()
+                ended[name] = (rc, round(time.monotonic() - t0, 1))
+        time.sleep(0.1)
     checks = []
-    for arm, f, proc in procs:
-        try:
-            rc = proc.wait(timeout=max(0.0, timeout - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = "timeout"
-        f.close()
+    for arm in arms:
+        rc, seconds = ended[arm["name"]]
         lines = (logs / f"{arm['name']}-check.log").read_text(errors="replace").strip().splitlines()
-        checks.append({"arm": arm["name"], "commit": arm["commit"], "rc": rc,
-                       "seconds": round(time.monotonic() - t0, 1), "last": lines[-1] if lines else ""})
-        print(f"{arm['name']} ({arm['commit']}) check: rc {rc}: {checks[-1]['last']}", flush=True)
+        checks.append({"arm": arm["name"], "commit": arm["commit"], "rc": rc, "seconds": seconds,
+                       "last": lines[-1] if lines else ""})
+        print(f"{arm['name']} ({arm['commit']}) check: rc {rc} in {seconds} s: {checks[-1]['last']}", flush=True)
     (logs / "checks.json").write_text(json.dumps({"command": cmd, "checks": checks}, indent=1) + "\n")
     return checks
 

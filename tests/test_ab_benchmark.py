@@ -94,7 +94,7 @@ def test_check_runs_every_arm_at_once_in_its_own_tree(repo, tmp_path, monkeypatc
     checks = json.loads((tmp_path / "logs" / "checks.json").read_text())["checks"]
     assert [(c["arm"], c["rc"], c["last"]) for c in checks] == [
         ("HEAD_1", 0, "version 1"), ("HEAD", 3, "version 2"), ("wt", "timeout", "version 3")]
-    assert rc == 1 and checks[0]["seconds"] < 20 <= checks[2]["seconds"] < 40
+    assert rc == 1 and max(checks[0]["seconds"], checks[1]["seconds"]) < 20 <= checks[2]["seconds"] < 40
     assert (tmp_path / "meet" / "wt").read_text().endswith("+wt")
 
 
