@@ -1,7 +1,8 @@
 """GELU in GPT-2's tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
 Written as in-place passes over one or two scratch arrays: NumPy's temporaries, not tanh,
-were most of the time (a fresh array per operator).
+were most of the time (a fresh array per operator); run by blocks of rows (row_blocks.py), so
+that those arrays stay in cache between the passes.
 """
 
 import math
@@ -9,6 +10,7 @@ import math
 import numpy as np
 
 from kiln.backend.cpu.compute import upcast
+from kiln.backend.cpu.row_blocks import by_row_blocks
 
 _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
@@ -23,18 +25,16 @@ def _inner_tanh(xf):
     return np.tanh(t, out=t)
 
 
-def gelu_fwd(x):
-    xf = upcast(x)
+def _gelu(xf):
     y = _inner_tanh(xf)
     y += 1.0
     y *= xf
     y *= 0.5
-    return y.astype(x.dtype, copy=False)
+    return y
 
 
-def gelu_bwd(grad, x):
-    """grad * d gelu / dx = grad * (0.5 (1 + t) + 0.5 x (1 - t^2) K (1 + 3 C x^2))."""
-    xf = upcast(x)
+def _gelu_grad(g, xf):
+    """g * d gelu / dx = g * (0.5 (1 + t) + 0.5 x (1 - t^2) K (1 + 3 C x^2))."""
     t = _inner_tanh(xf)
     s = np.multiply(xf, xf)
     s *= 1.5 * _K * _C
@@ -44,8 +44,17 @@ def gelu_bwd(grad, x):
     t += 1.0
     t *= 0.5
     t += s
-    t *= upcast(grad)
-    return t.astype(x.dtype, copy=False)
+    t *= g
+    return t
+
+
+def gelu_fwd(x):
+    return by_row_blocks(_gelu, x.dtype, x)
+
+
+def gelu_bwd(grad, x):
+    """grad * gelu'(x), in x's dtype."""
+    return by_row_blocks(lambda xf, g: _gelu_grad(g, xf), x.dtype, x, grad)
 
 
 def gelu_bwd_bias(grad, x, dbias_dtype=None):

@@ -1,12 +1,15 @@
 """Layer normalisation over the last axis, forward and fused backward, and the residual add
 fused with the LayerNorm that follows it (add_layer_norm_fwd / add_layer_norm_bwd).
 
-In-place passes and einsum row reductions: NumPy temporaries, not arithmetic, set the time.
+In-place passes and einsum row reductions: NumPy temporaries, not arithmetic, set the time. Run by
+blocks of rows (row_blocks.py), each block's passes in cache; the weight and bias gradients add the
+blocks' column sums in block order (the same bits on every run).
 """
 
 import numpy as np
 
-from kiln.backend.cpu.compute import upcast
+from kiln.backend.cpu.compute import compute_dtype, upcast
+from kiln.backend.cpu.row_blocks import add_in_order, row_blocks
 
 
 def _row_dot(a, b):
@@ -14,59 +17,100 @@ def _row_dot(a, b):
     return np.einsum("ij,ij->i", a, b)[:, None]
 
 
-def layer_norm_fwd(x, weight, bias, eps, out_dtype=None):
-    """(y, mean, rstd) for y = (x - mean) * rstd * weight + bias over the last axis of x[N, C]; y in
-    out_dtype (default x's)."""
-    xf = upcast(x)
+def _normalize(xf, weight, bias, eps, out=None):
+    """(y, mean, rstd) of rows xf in the compute dtype; y in `out` when given (of that dtype)."""
     c = xf.shape[-1]
     mean = xf.mean(axis=-1, keepdims=True)
-    y = xf - mean
+    y = np.subtract(xf, mean, out=out)
     var = _row_dot(y, y)
     var /= c
     rstd = 1.0 / np.sqrt(var + eps)
     y *= rstd
     if weight is not None:
-        y *= upcast(weight)
+        y *= weight
     if bias is not None:
-        y += upcast(bias)
-    return y.astype(out_dtype or x.dtype, copy=False), mean[:, 0], rstd[:, 0]
+        y += bias
+    return y, mean[:, 0], rstd[:, 0]
 
 
-def _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
-    """(dx in the compute dtype, dweight, dbias): the LayerNorm backward before dx is rounded; dweight and
-    dbias in param_grad_dtype (default the weight's)."""
-    g = upcast(grad)
-    xhat = upcast(x) - mean[:, None]
-    xhat *= rstd[:, None]
+def _forward(x, y, weight, bias, eps, out_dtype):
+    """(s, h, mean, rstd): s = x + y rounded to x's dtype (None when y is None, and h normalises x itself),
+    h = layer_norm(s) in out_dtype (default x's), block by block."""
+    n, c = x.shape
+    cdt = compute_dtype(x.dtype)
+    s = None if y is None else np.empty(x.shape, x.dtype)
+    h = np.empty(x.shape, out_dtype or x.dtype)
+    mean, rstd = np.empty(n, cdt), np.empty(n, cdt)
+    w = upcast(weight) if weight is not None else None
+    b = upcast(bias) if bias is not None else None
+    for r in row_blocks(n, 4 * c):
+        xr = x[r]
+        if y is not None:
+            xr = np.add(xr, y[r].astype(x.dtype, copy=False), out=s[r])
+        hr = h[r] if h.dtype == cdt else None  # written in place, else rounded into h
+        y_r, mean[r], rstd[r] = _normalize(upcast(xr), w, b, eps, out=hr)
+        if hr is None:
+            h[r] = y_r
+    return s, h, mean, rstd
+
+
+def layer_norm_fwd(x, weight, bias, eps, out_dtype=None):
+    """(y, mean, rstd) for y = (x - mean) * rstd * weight + bias over the last axis of x[N, C]; y in
+    out_dtype (default x's)."""
+    _, h, mean, rstd = _forward(x, None, weight, bias, eps, out_dtype)
+    return h, mean, rstd
+
+
+def _backward(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype, grad_s=None, branch_dtype=None):
+    """(dx, dy, dweight, dbias): dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) (+ grad_s, added before
+    dx is rounded to x's dtype), dy = dx rounded to branch_dtype (dx itself when None or x's dtype); dweight
+    and dbias in param_grad_dtype (default the weight's), each the blocks' column sums added in block order."""
+    n, c = x.shape
+    dx = np.empty(x.shape, x.dtype)
+    dy = dx if branch_dtype is None or np.dtype(branch_dtype) == dx.dtype else np.empty(x.shape, branch_dtype)
+    w = upcast(weight) if weight is not None else None
+    dws, dbs = [], []
+    for r in row_blocks(n, 4 * c):
+        g = upcast(grad[r])
+        in_place = dx.dtype == g.dtype  # dx built in its own rows, else in a scratch array rounded into them
+        xhat = np.subtract(upcast(x[r]), mean[r, None], out=dx[r] if in_place else None)
+        xhat *= rstd[r, None]
+        if need_dw:
+            dws.append(np.einsum("ij,ij->j", g, xhat))
+        if need_db:
+            dbs.append(g.sum(axis=0))
+        gw = g * w if w is not None else g
+        proj = _row_dot(gw, xhat)
+        proj /= c
+        xhat *= -proj  # dx, built in xhat's buffer
+        xhat += gw
+        xhat -= gw.sum(axis=-1, keepdims=True) / c
+        xhat *= rstd[r, None]
+        if grad_s is not None:
+            xhat += upcast(grad_s[r])
+        if not in_place:
+            dx[r] = xhat
+        if dy is not dx:
+            dy[r] = dx[r]
     pdtype = param_grad_dtype or (weight.dtype if weight is not None else x.dtype)  # no weight: no dw/db either
-    dw = np.einsum("ij,ij->j", g, xhat).astype(pdtype, copy=False) if need_dw else None
-    db = g.sum(axis=0).astype(pdtype, copy=False) if need_db else None
-    gw = g * upcast(weight) if weight is not None else g
-    c = x.shape[-1]
-    # dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), built in xhat's buffer
-    proj = _row_dot(gw, xhat)
-    proj /= c
-    xhat *= -proj
-    xhat += gw
-    xhat -= gw.sum(axis=-1, keepdims=True) / c
-    xhat *= rstd[:, None]
-    return xhat, dw, db
+    none = np.zeros(c, compute_dtype(x.dtype))  # the column sums of no rows
+    dw = add_in_order(dws or [none]).astype(pdtype, copy=False) if need_dw else None
+    db = add_in_order(dbs or [none]).astype(pdtype, copy=False) if need_db else None
+    return dx, dy, dw, db
 
 
 def layer_norm_bwd(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None):
     """(dx, dweight, dbias), the whole backward in one pass over rows; dweight and dbias in
     param_grad_dtype (default the weight's: float32 for a bf16 copy of fp32 master weights)."""
-    dx, dw, db = _dx_compute(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
-    return dx.astype(x.dtype, copy=False), dw, db
+    dx, _, dw, db = _backward(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
+    return dx, dw, db
 
 
 def add_layer_norm_fwd(x, y, weight, bias, eps, out_dtype=None):
     """(s, h, mean, rstd) for s = x + y (rounded to x's dtype, as a separate add stores it) and
     h = layer_norm(s) in out_dtype (default x's) over the last axis of x[N, C] and y[N, C] (y of x's
     dtype or narrower)."""
-    s = np.add(x, y.astype(x.dtype, copy=False))
-    h, mean, rstd = layer_norm_fwd(s, weight, bias, eps, out_dtype)
-    return s, h, mean, rstd
+    return _forward(x, y, weight, bias, eps, out_dtype)
 
 
 def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype=None,
@@ -77,9 +121,4 @@ def add_layer_norm_bwd(grad_s, grad_h, s, weight, mean, rstd, need_dw, need_db, 
     dx rounded to nearest even into a narrower branch dtype (bit for bit what a cast of dx stores). grad_s
     may be None (the sum was not used); grad_h may not; grad_h may be narrower than s (the LayerNorm's
     output was)."""
-    dx, dw, db = _dx_compute(grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype)
-    if grad_s is not None:
-        dx += upcast(grad_s)
-    dx = dx.astype(s.dtype, copy=False)
-    dy = dx if branch_dtype is None or np.dtype(branch_dtype) == dx.dtype else dx.astype(branch_dtype)
-    return dx, dy, dw, db
+    return _backward(grad_h, s, weight, mean, rstd, need_dw, need_db, param_grad_dtype, grad_s, branch_dtype)
