@@ -118,13 +118,15 @@ def ablate_attn_p_bf16(backend) -> None:
     attention = importlib.import_module("kiln.backend.cpu.attention")  # the package exports a function of that name
 
     def attention_fwd(q, k, v, scale, causal=True, offset=0):
-        s = attention._scores(attention._c(q), attention._c(k), scale, causal, offset)
+        kt = np.ascontiguousarray(np.swapaxes(attention._heads(k), -1, -2))  # [heads, D, Tk], scaled
+        kt *= scale
+        s = attention._scores(attention._heads(q), kt, causal, offset)
         m = s.max(axis=-1, keepdims=True)
         p = np.exp(s - m)
         denom = p.sum(axis=-1, keepdims=True)
-        out = p.astype(ml_dtypes.bfloat16).astype(np.float32) @ attention._c(v)
+        out = p.astype(ml_dtypes.bfloat16).astype(np.float32) @ attention._heads(v)
         out /= denom
-        return out.astype(q.dtype, copy=False), (m + np.log(denom))[..., 0]
+        return out.reshape(q.shape).astype(q.dtype, copy=False), (m + np.log(denom))[..., 0].reshape(q.shape[:-1])
 
     backend.attention_fwd = attention_fwd
 
