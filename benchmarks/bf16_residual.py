@@ -118,15 +118,15 @@ def ablate_attn_p_bf16(backend) -> None:
     attention = importlib.import_module("kiln.backend.cpu.attention")  # the package exports a function of that name
 
     def attention_fwd(q, k, v, scale, causal=True, offset=0):
-        kt = np.ascontiguousarray(np.swapaxes(attention._heads(k), -1, -2))  # [heads, D, Tk], scaled
-        kt *= scale
-        s = attention._scores(attention._heads(q), kt, causal, offset)
-        m = s.max(axis=-1, keepdims=True)
-        p = np.exp(s - m)
-        denom = p.sum(axis=-1, keepdims=True)
-        out = p.astype(ml_dtypes.bfloat16).astype(np.float32) @ attention._heads(v)
-        out /= denom
-        return out.reshape(q.shape).astype(q.dtype, copy=False), (m + np.log(denom))[..., 0].reshape(q.shape[:-1])
+        tq, tk = q.shape[-2], k.shape[-2]
+        qt, ks = attention._transposed(attention._heads(q)), attention._heads(k) * scale
+        st = attention._scores_t(ks, qt, slice(None), slice(0, tq), tk, causal, offset)  # [heads, Tk, Tq]
+        m = st.max(axis=-2, keepdims=True)
+        p = np.exp(st - m)
+        denom = p.sum(axis=-2, keepdims=True)
+        out = np.swapaxes(p.astype(ml_dtypes.bfloat16).astype(np.float32), -1, -2) @ attention._heads(v)
+        out /= np.swapaxes(denom, -1, -2)
+        return out.reshape(q.shape).astype(q.dtype, copy=False), (m + np.log(denom))[:, 0, :].reshape(q.shape[:-1])
 
     backend.attention_fwd = attention_fwd
 

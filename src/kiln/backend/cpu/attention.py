@@ -6,8 +6,9 @@ recomputes the probabilities from them, so the [T, T] matrix is not saved betwee
 Both run by blocks of heads, or of one head's query rows (row_blocks.GRAIN_BYTES of scores each), so
 a block's score matrix stays in cache through its passes and is never made for all heads at once
 (GPT-2 124M at B4 T1024: 200 MB a pass before); under the causal mask a block of query rows reads only
-the keys its last row sees. dK and dV add the query blocks' products in block order: the same bits on
-every run.
+the keys its last row sees. The scores are formed transposed ([keys, queries]: the softmax's
+reductions run across contiguous rows). dK and dV add the query blocks' products in block order: the
+same bits on every run.
 """
 
 import functools
@@ -24,9 +25,10 @@ def _heads(a):
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_mask(tq: int, tk: int, offset: int, dtype) -> np.ndarray:
-    """[Tq, Tk]: 0 where key j <= query i + offset, -inf elsewhere (read-only, shared)."""
-    m = np.triu(np.full((tq, tk), -np.inf, dtype=dtype), 1 + offset)
+def _causal_mask_t(tk: int, tq: int, offset: int, dtype) -> np.ndarray:
+    """[Tk, Tq], the causal mask transposed: 0 where key j <= query i + offset, -inf elsewhere (read-only,
+    shared)."""
+    m = np.tril(np.full((tk, tq), -np.inf, dtype=dtype), -(1 + offset))
     m.flags.writeable = False
     return m
 
@@ -41,11 +43,18 @@ def _blocks(heads: int, tq: int, tk: int, causal: bool, offset: int):
     return [(slice(h, h + 1), qs, min(tk, qs.stop + offset) if causal else tk) for h in range(heads) for qs in rows]
 
 
-def _scores(qb, kt, causal, offset):
-    """A block's scores qb @ kt (kt: its keys transposed, the scale in them), masked when causal."""
-    s = qb @ kt
+def _transposed(a):
+    """a [heads, T, D] as contiguous [heads, D, T]."""
+    return np.ascontiguousarray(np.swapaxes(a, -1, -2))
+
+
+def _scores_t(ks, qt, hs, qs, keys, causal, offset):
+    """A block's scores transposed, [heads, keys, rows] = (scale K) @ Q^T, masked when causal: a softmax
+    over keys is then a reduction over axis -2, elementwise across contiguous rows, where NumPy's
+    reduction over a short last axis (64 keys) is ~3x slower."""
+    s = ks[hs, :keys] @ qt[hs, :, qs]
     if causal:
-        s += _causal_mask(qb.shape[-2], kt.shape[-1], offset, s.dtype)
+        s += _causal_mask_t(keys, qs.stop - qs.start, offset + qs.start, s.dtype)
     return s
 
 
@@ -53,22 +62,19 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     """(out, lse) for q [B, H, Tq, D] and k, v [B, H, Tk, D]; causal (query i sees keys
     j <= i + offset: offset 0 with Tq == Tk is self-attention) or, for context parallelism's
     off-diagonal blocks (§4.3), every query sees every key. offset >= 0: no row is empty."""
-    qh, vh = _heads(q), _heads(v)
-    # K^T [heads, D, Tk] copied contiguous and scaled once for all blocks (NumPy's batched matmul is ~2x slower
-    # on a transposed right operand than on a copy); a block reads its first `keys` columns
-    kt = np.ascontiguousarray(np.swapaxes(_heads(k), -1, -2))
-    kt *= scale
-    out = np.empty(qh.shape, qh.dtype)
-    lse = np.empty(qh.shape[:-1], qh.dtype)
-    for hs, qs, keys in _blocks(qh.shape[0], qh.shape[1], kt.shape[-1], causal, offset):
-        s = _scores(qh[hs, qs], kt[hs, :, :keys], causal, offset + qs.start)
-        m = s.max(axis=-1, keepdims=True)
-        s -= m
-        p = np.exp(s, out=s)
-        denom = p.sum(axis=-1, keepdims=True)
-        p /= denom
-        np.matmul(p, vh[hs, :keys], out=out[hs, qs])
-        lse[hs, qs] = (m + np.log(denom))[..., 0]
+    qt, vh = _transposed(_heads(q)), _heads(v)
+    ks = _heads(k) * scale  # scaled once for all blocks, on the [Tk, D] keys, not the [Tk, Tq] scores
+    out = np.empty((qt.shape[0], qt.shape[2], qt.shape[1]), qt.dtype)
+    lse = np.empty((qt.shape[0], qt.shape[2]), qt.dtype)
+    for hs, qs, keys in _blocks(qt.shape[0], qt.shape[2], ks.shape[1], causal, offset):
+        st = _scores_t(ks, qt, hs, qs, keys, causal, offset)
+        m = st.max(axis=-2, keepdims=True)
+        st -= m
+        p = np.exp(st, out=st)
+        denom = p.sum(axis=-2, keepdims=True)
+        ob = np.matmul(np.swapaxes(p, -1, -2), vh[hs, :keys], out=out[hs, qs])
+        ob /= np.swapaxes(denom, -1, -2)  # normalised on the [rows, D] output, not the [keys, rows] p
+        lse[hs, qs] = (m + np.log(denom))[:, 0, :]
     return out.reshape(q.shape).astype(q.dtype, copy=False), lse.reshape(q.shape[:-1])
 
 
@@ -77,24 +83,21 @@ def attention_bwd(grad, q, k, v, out, lse, scale, into=None, causal=True, offset
     copied into `into` = (dq, dk, dv) when given (views of one packed gradient, as the CUDA
     kernels write them)."""
     g, qh, kh, vh = _heads(grad), _heads(q), _heads(k), _heads(v)
-    kt = np.ascontiguousarray(np.swapaxes(kh, -1, -2))
-    kt *= scale
-    vt = np.ascontiguousarray(np.swapaxes(vh, -1, -2))
-    delta = np.einsum("htd,htd->ht", g, _heads(out))[..., None]  # rowsum(dO * O)
-    lse_h = upcast(lse).reshape(qh.shape[:-1])
+    qt, gt, ks = _transposed(qh), _transposed(g), kh * scale
+    delta = np.einsum("htd,htd->ht", g, _heads(out))[:, None, :]  # rowsum(dO * O), [heads, 1, Tq]
+    lse_t = upcast(lse).reshape(qh.shape[0], 1, qh.shape[1])
     dq = np.empty(qh.shape, qh.dtype)
     dk, dv = np.zeros(kh.shape, kh.dtype), np.zeros(vh.shape, vh.dtype)
-    for hs, qs, keys in _blocks(qh.shape[0], qh.shape[1], kt.shape[-1], causal, offset):
-        gb = g[hs, qs]
-        s = _scores(qh[hs, qs], kt[hs, :, :keys], causal, offset + qs.start)
-        s -= lse_h[hs, qs, None]
-        p = np.exp(s, out=s)
-        dv[hs, :keys] += np.swapaxes(p, -1, -2) @ gb
-        dp = gb @ vt[hs, :, :keys]
-        dp -= delta[hs, qs]
+    for hs, qs, keys in _blocks(qh.shape[0], qh.shape[1], kh.shape[1], causal, offset):
+        st = _scores_t(ks, qt, hs, qs, keys, causal, offset)
+        st -= lse_t[hs, :, qs]
+        p = np.exp(st, out=st)  # [heads, keys, rows]
+        dv[hs, :keys] += p @ g[hs, qs]
+        dp = vh[hs, :keys] @ gt[hs, :, qs]
+        dp -= delta[hs, :, qs]
         dp *= p
-        np.matmul(dp, kh[hs, :keys], out=dq[hs, qs])
-        dk[hs, :keys] += np.swapaxes(dp, -1, -2) @ qh[hs, qs]
+        np.matmul(np.swapaxes(dp, -1, -2), kh[hs, :keys], out=dq[hs, qs])
+        dk[hs, :keys] += dp @ qh[hs, qs]
     dq *= scale  # the scale on the [T, D] products, not on the [T, T] dp
     dk *= scale
     grads = tuple(a.reshape(x.shape).astype(x.dtype, copy=False) for a, x in ((dq, q), (dk, k), (dv, v)))
