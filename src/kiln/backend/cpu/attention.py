@@ -51,7 +51,7 @@ def _transposed(a):
 def _scores_t(ks, qt, hs, qs, keys, causal, offset):
     """A block's scores transposed, [heads, keys, rows] = (scale K) @ Q^T, masked when causal: a softmax
     over keys is then a reduction over axis -2, elementwise across contiguous rows, where NumPy's
-    reduction over a short last axis (64 keys) is ~3x slower."""
+    reduction over a short last axis (64 keys) is several times slower."""
     s = ks[hs, :keys] @ qt[hs, :, qs]
     if causal:
         s += _causal_mask_t(keys, qs.stop - qs.start, offset + qs.start, s.dtype)

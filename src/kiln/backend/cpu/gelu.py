@@ -33,7 +33,7 @@ def _gelu(xf):
     return y
 
 
-def _gelu_grad(g, xf):
+def _gelu_grad(xf, g):
     """g * d gelu / dx = g * (0.5 (1 + t) + 0.5 x (1 - t^2) K (1 + 3 C x^2))."""
     t = _inner_tanh(xf)
     s = np.multiply(xf, xf)
@@ -54,7 +54,7 @@ def gelu_fwd(x):
 
 def gelu_bwd(grad, x):
     """grad * gelu'(x), in x's dtype."""
-    return by_row_blocks(lambda xf, g: _gelu_grad(g, xf), x.dtype, x, grad)
+    return by_row_blocks(_gelu_grad, x.dtype, x, grad)
 
 
 def gelu_bwd_bias(grad, x, dbias_dtype=None):
