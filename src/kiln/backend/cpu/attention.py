@@ -62,11 +62,12 @@ def attention_fwd(q, k, v, scale, causal=True, offset=0):
     """(out, lse) for q [B, H, Tq, D] and k, v [B, H, Tk, D]; causal (query i sees keys
     j <= i + offset: offset 0 with Tq == Tk is self-attention) or, for context parallelism's
     off-diagonal blocks (§4.3), every query sees every key. offset >= 0: no row is empty."""
-    qt, vh = _transposed(_heads(q)), _heads(v)
+    qh, vh = _heads(q), _heads(v)
+    qt = _transposed(qh)
     ks = _heads(k) * scale  # scaled once for all blocks, on the [Tk, D] keys, not the [Tk, Tq] scores
-    out = np.empty((qt.shape[0], qt.shape[2], qt.shape[1]), qt.dtype)
-    lse = np.empty((qt.shape[0], qt.shape[2]), qt.dtype)
-    for hs, qs, keys in _blocks(qt.shape[0], qt.shape[2], ks.shape[1], causal, offset):
+    out = np.empty(qh.shape, qh.dtype)
+    lse = np.empty(qh.shape[:-1], qh.dtype)
+    for hs, qs, keys in _blocks(qh.shape[0], qh.shape[1], ks.shape[1], causal, offset):
         st = _scores_t(ks, qt, hs, qs, keys, causal, offset)
         m = st.max(axis=-2, keepdims=True)
         st -= m

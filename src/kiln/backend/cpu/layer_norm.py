@@ -43,13 +43,13 @@ def _forward(x, y, weight, bias, eps, out_dtype):
     mean, rstd = np.empty(n, cdt), np.empty(n, cdt)
     w = upcast(weight) if weight is not None else None
     b = upcast(bias) if bias is not None else None
+    in_place = h.dtype == cdt  # h built in its own rows, else in a scratch array rounded into them
     for r in row_blocks(n, 4 * c):
         xr = x[r]
         if y is not None:
             xr = np.add(xr, y[r].astype(x.dtype, copy=False), out=s[r])
-        hr = h[r] if h.dtype == cdt else None  # written in place, else rounded into h
-        y_r, mean[r], rstd[r] = _normalize(upcast(xr), w, b, eps, out=hr)
-        if hr is None:
+        y_r, mean[r], rstd[r] = _normalize(upcast(xr), w, b, eps, out=h[r] if in_place else None)
+        if not in_place:
             h[r] = y_r
     return s, h, mean, rstd
 
@@ -69,10 +69,10 @@ def _backward(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype, g
     dx = np.empty(x.shape, x.dtype)
     dy = dx if branch_dtype is None or np.dtype(branch_dtype) == dx.dtype else np.empty(x.shape, branch_dtype)
     w = upcast(weight) if weight is not None else None
+    in_place = dx.dtype == compute_dtype(x.dtype)  # dx built in its own rows, else in a scratch array rounded into them
     dws, dbs = [], []
     for r in row_blocks(n, 4 * c):
         g = upcast(grad[r])
-        in_place = dx.dtype == g.dtype  # dx built in its own rows, else in a scratch array rounded into them
         xhat = np.subtract(upcast(x[r]), mean[r, None], out=dx[r] if in_place else None)
         xhat *= rstd[r, None]
         if need_dw:
