@@ -19,6 +19,9 @@ from pathlib import Path
 # family -> a regular expression over the kernel's name (searched, case-sensitive), in the order tried
 FAMILIES = (
     ("attention", r"attention_|flash|sdpa|fmha|compute_dot_do_o|convert_dq"),  # before GEMM: fmha_cutlassF_...
+    # before GEMM: cuBLASLt's GELU epilogues (nvjet's geluauxbias, xmma's _aux_: the GELU's input kept or read back)
+    # do the GELU's work inside the GEMM, so they are told from plain GEMMs and set beside the peer's GELU kernels
+    ("GEMM + GELU epilogue", r"^(nvjet_|sm90_xmma_gemm).*(gelu|_aux)"),
     ("GEMM", r"^nvjet_|^sm90_xmma_gemm|cutlass|cublasLt::|gemm"),
     ("layer norm (+ residual add)", r"layer_norm"),
     ("GELU", r"gelu"),

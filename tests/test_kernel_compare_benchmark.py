@@ -50,7 +50,10 @@ def test_family_order_puts_fused_norms_before_casts_and_attention_before_gemms()
     assert kc.family("triton_per_fused__to_copy_add_native_layer_norm_backward_view_9") == "layer norm (+ residual add)"
     assert kc.family("triton_poi_fused__to_copy_view_2") == "memset / copy / cast"
     assert kc.family("fmha_cutlassF_f32_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...") == "attention"
-    assert kc.family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x64_warpgroupsize1x1x1_aux_bf16") == "GEMM"
+    assert kc.family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x64_warpgroupsize1x1x1_aux_bf16") == \
+        "GEMM + GELU epilogue"
+    assert kc.family("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopA_geluauxbias_auxt_TNN") == "GEMM + GELU epilogue"
+    assert kc.family("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN") == "GEMM"
 
 
 def test_gpt2_step_writes_the_comparison_beside_its_kernel_tables(tmp_path):
