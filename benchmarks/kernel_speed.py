@@ -351,6 +351,24 @@ def bench_embedding(k, iters):
     return out
 
 
+def bench_bias_grad(k, iters):
+    """A linear layer's bias gradient, the column sums of its output's gradient [B*T, C] (GPT-2's c_proj,
+    c_attn and c_fc widths), kiln's part and finish kernels (fp32 sums, written fp32 for the master weights)
+    against torch's sum over rows (in bf16: its fp32 accumulation rounded to bf16); bytes = the gradient read."""
+    import torch
+    out = []
+    rows = 16 * 1024
+    for dtype in (np.float32, BF16):
+        for c in (768, 2304, 3072):
+            g = k.rng_normal(k.new_generator(0), (rows, c), dtype)
+            w = k.rng_normal(k.new_generator(1), (c, 8), dtype)  # only its shape is read: no dx is made
+            tg = torch.randn(rows, c, device="cuda", dtype=_torch_dtype(dtype))
+            out.append(_row("bias_grad", f"C={c}", dtype, (rows, c),
+                            lambda: k.linear_bwd(g, None, w, False, False, True, np.float32),
+                            lambda: tg.sum(0), iters, nbytes=rows * c * np.dtype(dtype).itemsize))
+    return out
+
+
 def bench_attention(k, iters):
     import torch
     import torch.nn.functional as F
@@ -425,7 +443,8 @@ def _row(family, op, dtype, shape, kfn, tfn, iters, nbytes=None, flops=None):
 
 BENCHES = {"gelu": bench_gelu, "layer_norm": bench_layer_norm, "cross_entropy": bench_cross_entropy,
            "adamw": bench_adamw, "grad_norm": bench_grad_norm, "embedding": bench_embedding,
-           "attention": bench_attention, "lm_head": bench_lm_head}
+           "attention": bench_attention, "lm_head": bench_lm_head,
+           "bias_grad": bench_bias_grad}
 
 
 def main(argv=None) -> int:
