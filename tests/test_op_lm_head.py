@@ -136,6 +136,17 @@ def test_chunks_fit_the_budget_and_cover_the_rows():
     assert cpu_lm_head.chunk_rows_for(10, 7, 4) == 10
 
 
+def test_the_cross_entropy_kernel_keeps_a_row_in_shared_memory_where_two_fit_an_sm(monkeypatch):
+    """GPT-2's 50304 bf16 logits (100.6 KB) are kept on an H100 (228 KB an SM, 227 KB a block); its fp32
+    logits (201 KB) fit one block but not two, and the kernel reads those rows twice instead."""
+    from kiln.backend.cuda import cross_entropy as cuda_ce
+    h100 = {"MaxSharedMemoryPerBlockOptin": 232448, "MaxSharedMemoryPerMultiprocessor": 233472}
+    monkeypatch.setattr(cuda_ce.rt, "attribute", h100.__getitem__)
+    assert cuda_ce.kept_row_bytes(50304, 2) == 100608
+    assert cuda_ce.kept_row_bytes(50304, 4) == 0
+    assert cuda_ce.kept_row_bytes(1001, 4) == 4004
+
+
 # --- on the GPU ---------------------------------------------------------------------------
 
 
@@ -145,8 +156,11 @@ def test_chunks_fit_the_budget_and_cover_the_rows():
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("v", [4096, 1001, 50304])  # 1001: not a multiple of the 16-byte pack; 50304: GPT-2's
 @pytest.mark.parametrize("tdtype", [np.int64, np.int32])
-def test_cuda_fused_cross_entropy_kernel_matches_the_cpu_reference(dtype, tol, v, tdtype):
-    """One launch: per-row losses and validity, and dlogits written over the logits in place."""
+@pytest.mark.parametrize("kept", [False, True], ids=["row-read-twice", "row-kept"])
+def test_cuda_fused_cross_entropy_kernel_matches_the_cpu_reference(dtype, tol, v, tdtype, kept):
+    """One launch: per-row losses and validity, and dlogits written over the logits in place; with the
+    row kept in shared memory between its two passes (the launch's dynamic shared memory holds it) the
+    same bits as reading it twice."""
     from kiln.backend.cpu import cross_entropy as cpu_ce
     from kiln.backend.cuda.device import cupy
     from kiln.backend.cuda.launch import ctype, get_kernel, i32, i64, idx_ctype
@@ -160,10 +174,20 @@ def test_cuda_fused_cross_entropy_kernel_matches_the_cpu_reference(dtype, tol, v
     valid = t != -100
     scale = 1.0 / valid.sum()
     gpu = kiln.device("cuda").backend
-    buf = gpu.asarray(logits)
-    rows = cp.full((2 * n,), np.nan, dtype=cp.float32)
-    get_kernel("cross_entropy.cu", f"cross_entropy_fused<{ctype(logits.dtype)}, {idx_ctype(t.dtype)}>")(
-        (n,), (512,), (buf, cp.asarray(t), rows, rows[n:], cp.asarray(np.float32(scale)), i32(v), i64(-100)))
+
+    def launch(shared_mem):
+        buf = gpu.asarray(logits)
+        rows = cp.full((2 * n,), np.nan, dtype=cp.float32)
+        get_kernel("cross_entropy.cu", f"cross_entropy_fused<{ctype(logits.dtype)}, {idx_ctype(t.dtype)}>")(
+            (n,), (512,), (buf, cp.asarray(t), rows, rows[n:], cp.asarray(np.float32(scale)), i32(v), i64(-100)),
+            shared_mem=shared_mem)
+        return buf, rows
+
+    buf, rows = launch(v * logits.itemsize if kept else 0)
+    if kept:  # bit for bit what reading the row twice gives
+        twice, twice_rows = launch(0)
+        np.testing.assert_array_equal(gpu.to_numpy(buf).view(np.uint8), gpu.to_numpy(twice).view(np.uint8))
+        np.testing.assert_array_equal(cp.asnumpy(rows), cp.asnumpy(twice_rows))
     ref_loss, lse = cpu_ce.cross_entropy_fwd(logits.astype(np.float64), t, -100)
     ref_rows = np.where(valid, lse - logits.astype(np.float64)[np.arange(n), np.where(valid, t, 0)], 0.0)
     got_rows = cp.asnumpy(rows)

@@ -13,11 +13,22 @@ from kiln.backend.cuda.compiler import FLOAT_CTYPES, INDEX_CTYPES, register_fami
 from kiln.backend.cuda.launch import as_index, contiguous, cpu_fallback, ctype, get_kernel, i32, i64, idx_ctype
 
 ROW_THREADS = 512  # one block per row (kCeThreads)
+BLOCK_SHARED_OVERHEAD = 2048  # a block's static shared memory (the reductions') and the driver's reserve, rounded up
 register_family("cross_entropy.cu", [f"cross_entropy_fwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]
                 + [f"cross_entropy_bwd<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]
                 + [f"cross_entropy_fused<{t}, {i}>" for t in FLOAT_CTYPES for i in INDEX_CTYPES]  # lm_head.py
                 + [f"cross_entropy_count<{i}>" for i in INDEX_CTYPES] + ["cross_entropy_mean"],
                 defines={"KILN_CE_THREADS": ROW_THREADS})
+
+
+def kept_row_bytes(vocab: int, itemsize: int) -> int:
+    """The dynamic shared memory to launch cross_entropy_fused with: the row's logits, kept from its first
+    pass for its second (two passes over the logits, not three), where two such blocks fit one SM (GPT-2's
+    50304 bf16 logits: 100.6 KB of an H100's 228); else 0, and the kernel reads the row twice."""
+    row = vocab * itemsize
+    fits = row <= rt.attribute("MaxSharedMemoryPerBlockOptin") and \
+        2 * (row + BLOCK_SHARED_OVERHEAD) <= rt.attribute("MaxSharedMemoryPerMultiprocessor")
+    return row if fits else 0
 
 
 def cross_entropy_fwd(logits, targets, ignore_index):

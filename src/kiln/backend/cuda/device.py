@@ -101,16 +101,21 @@ def arch() -> str:
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
-_sm_counts: dict = {}
+_attributes: dict = {}
+
+
+def attribute(name: str) -> int:
+    """One of the current device's attributes, by CuPy's name (cached per device)."""
+    key = (device_id(), name)
+    n = _attributes.get(key)
+    if n is None:
+        n = _attributes[key] = int(cupy().cuda.Device(key[0]).attributes[name])
+    return n
 
 
 def sm_count() -> int:
     """The current device's number of SMs (the grid of a persistent kernel)."""
-    dev = device_id()
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = _sm_counts[dev] = int(cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
-    return n
+    return attribute("MultiProcessorCount")
 
 
 def device_name() -> str:

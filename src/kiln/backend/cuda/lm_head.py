@@ -14,7 +14,7 @@ import numpy as np
 from kiln.backend.cpu import lm_head as cpu
 from kiln.backend.cuda import cublaslt, device as rt
 from kiln.backend.cuda.adamw import scale_
-from kiln.backend.cuda.cross_entropy import ROW_THREADS
+from kiln.backend.cuda.cross_entropy import ROW_THREADS, kept_row_bytes
 from kiln.backend.cuda.elementwise import cast
 from kiln.backend.cuda.launch import as_index, contiguous, cpu_fallback, ctype, get_kernel, i32, i64, idx_ctype
 from kiln.backend.cuda.matmul import _gemm_dtype, as_matrix
@@ -42,13 +42,15 @@ def lm_head_xent_fwd(x, weight, targets, ignore_index, chunk_rows=None, need_dx=
     logits = cp.empty((min(chunk, n), v), dtype=x.dtype)
     wa, tw, ldw = as_matrix(weight)
     fused = get_kernel("cross_entropy.cu", f"cross_entropy_fused<{t}, {it}>")
+    kept = kept_row_bytes(v, logits.itemsize)
     for i, r0 in enumerate(range(0, n, chunk)):
         r1 = min(n, r0 + chunk)
         m = r1 - r0
         lg, xc = logits[:m], x[r0:r1]
         cublaslt.gemm(xc, wa, lg, m=m, n=v, k=c, trans_a=False, trans_b=not tw, lda=c, ldb=ldw)
         fused((m,), (ROW_THREADS,),
-              (lg, targets[r0:r1], rows[r0:r1], rows[n + r0:n + r1], scale, i32(v), i64(ignore_index)))
+              (lg, targets[r0:r1], rows[r0:r1], rows[n + r0:n + r1], scale, i32(v), i64(ignore_index)),
+              shared_mem=kept)
         if need_dx:
             cublaslt.gemm(lg, wa, dx[r0:r1], m=m, n=c, k=v, trans_a=False, trans_b=tw, lda=v, ldb=ldw, ldc=c)
         if need_dw:  # dweight[V, C] (+)= dlogits^T @ x: accumulated in fp32 in the GEMM, in chunk order

@@ -145,29 +145,46 @@ __device__ __forceinline__ void store_f4(T* p, float4 v) {
 // The online (max, sum of exp(x - max)) of one row xr[0:C], reduced over a block of NT threads:
 // the log-sum-exp pass of softmax.cu and cross_entropy.cu. `vec`: read 16-byte packs (the
 // caller checked C % Pack<T>::N == 0 and the alignment). Every thread gets the row's result.
+// `keep` (shared memory, or null): each thread also stores there the elements it read, at their
+// own offsets, so a second pass over the row by the same threads with the same stride reads them
+// back without a barrier and without reading the row from global memory again.
 template <int NT, typename T>
-__device__ __forceinline__ MaxSum row_max_sum(const T* __restrict__ xr, int C, bool vec) {
+__device__ __forceinline__ MaxSum row_max_sum(const T* __restrict__ xr, int C, bool vec,
+                                              T* __restrict__ keep = nullptr) {
     constexpr int V = Pack<T>::N;
     MaxSum st{-KILN_INF, 0.0f};
     if (vec) {
-        for (int p = threadIdx.x; p < C / V; p += NT) {
-            const Pack<T> a = load_pack(xr + p * V);
-            float v[V];
-            float pm = -KILN_INF;
+        // four packs a thread loaded before any is summed (a kept row's block has half the SM's threads,
+        // so each needs more loads in flight); summed in the order p, p + NT, p + 2 NT, ... all the same
+        constexpr int U = 4;
+        const int packs = C / V;
+        for (int p0 = threadIdx.x; p0 < packs; p0 += U * NT) {
+            Pack<T> a[U];
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                v[j] = to_float(a.v[j]);
-                pm = fmaxf(pm, v[j]);
+            for (int u = 0; u < U; ++u)
+                if (p0 + u * NT < packs) a[u] = load_pack(xr + (p0 + u * NT) * V);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (p0 + u * NT >= packs) break;
+                if (keep != nullptr) store_pack(keep + (p0 + u * NT) * V, a[u]);
+                float v[V];
+                float pm = -KILN_INF;
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    v[j] = to_float(a[u].v[j]);
+                    pm = fmaxf(pm, v[j]);
+                }
+                const float m = fmaxf(st.m, pm);
+                if (m == -KILN_INF) continue;
+                float s = st.s * expf(st.m - m);
+#pragma unroll
+                for (int j = 0; j < V; ++j) s += expf(v[j] - m);
+                st = {m, s};
             }
-            const float m = fmaxf(st.m, pm);
-            if (m == -KILN_INF) continue;
-            float s = st.s * expf(st.m - m);
-#pragma unroll
-            for (int j = 0; j < V; ++j) s += expf(v[j] - m);
-            st = {m, s};
         }
     } else {
         for (int c = threadIdx.x; c < C; c += NT) {
+            if (keep != nullptr) keep[c] = xr[c];
             const float v = to_float(xr[c]);
             const float m = fmaxf(st.m, v);
             if (m == -KILN_INF) continue;

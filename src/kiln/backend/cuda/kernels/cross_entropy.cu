@@ -64,6 +64,33 @@ __global__ void __launch_bounds__(1024) cross_entropy_count(const I* __restrict_
     if (threadIdx.x == 0) scale[0] = grad[0] / c;
 }
 
+// dst = (exp(src - lse) - onehot(t)) * sc over one row of V logits (zero where ignored): src is the
+// row in global memory, or its copy in shared memory; dst may be src (in place). Thread i takes the
+// packs (elements) i, i + kCeThreads, ..., the stride row_max_sum read them with.
+template <typename T>
+__device__ __forceinline__ void write_dlogits(const T* src, T* dst, int V, bool vec, long long t, float lse,
+                                              float sc, bool ignored) {
+    constexpr int P = Pack<T>::N;
+    if (vec) {
+        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
+            const Pack<T> a = load_pack(src + p * P);
+            Pack<T> o;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const int c = p * P + j;
+                const float prob = expf(to_float(a.v[j]) - lse) - (c == t ? 1.0f : 0.0f);
+                o.v[j] = from_float<T>(ignored ? 0.0f : prob * sc);
+            }
+            store_pack(dst + p * P, o);
+        }
+    } else {
+        for (int c = threadIdx.x; c < V; c += kCeThreads) {
+            const float prob = expf(to_float(src[c]) - lse) - (c == t ? 1.0f : 0.0f);
+            dst[c] = from_float<T>(ignored ? 0.0f : prob * sc);
+        }
+    }
+}
+
 template <typename T, typename I>
 __global__ void __launch_bounds__(kCeThreads) cross_entropy_bwd(const T* __restrict__ logits,
                                                                 const I* __restrict__ targets,
@@ -76,33 +103,17 @@ __global__ void __launch_bounds__(kCeThreads) cross_entropy_bwd(const T* __restr
     const long long off = (long long)row * V;
     const long long t = (long long)targets[row];
     const bool ignored = t == ignore_index;
-    const float l = lse[row];
-    const float sc = ignored ? 0.0f : scale[0];
     const bool vec = V % P == 0 && aligned16(logits) && aligned16(dlogits);
-    if (vec) {
-        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
-            const Pack<T> a = load_pack(logits + off + p * P);
-            Pack<T> o;
-#pragma unroll
-            for (int j = 0; j < P; ++j) {
-                const int c = p * P + j;
-                const float prob = expf(to_float(a.v[j]) - l) - (c == t ? 1.0f : 0.0f);
-                o.v[j] = from_float<T>(ignored ? 0.0f : prob * sc);
-            }
-            store_pack(dlogits + off + p * P, o);
-        }
-    } else {
-        for (int c = threadIdx.x; c < V; c += kCeThreads) {
-            const float prob = expf(to_float(logits[off + c]) - l) - (c == t ? 1.0f : 0.0f);
-            dlogits[off + c] = from_float<T>(ignored ? 0.0f : prob * sc);
-        }
-    }
+    write_dlogits(logits + off, dlogits + off, V, vec, t, lse[row], ignored ? 0.0f : scale[0], ignored);
 }
 
 // Forward and backward of one chunk of rows in one launch, in place: a block per row finds the
 // row's log-sum-exp (one pass), writes its loss and validity, then overwrites the logits with
 // dlogits = (exp(x - lse) - onehot) * scale[0] (scale = 1 / count, computed before the chunks).
 // The fused LM head (lm_head.py) runs it on each chunk of logits, which are never kept whole.
+// Launched with V * sizeof(T) bytes of dynamic shared memory, the block keeps its row there from
+// the first pass, and the second reads it back instead of from global memory: two passes over the
+// logits (read, write) instead of three. With less, it reads the row twice.
 template <typename T, typename I>
 __global__ void __launch_bounds__(kCeThreads) cross_entropy_fused(T* __restrict__ logits,
                                                                   const I* __restrict__ targets,
@@ -110,39 +121,30 @@ __global__ void __launch_bounds__(kCeThreads) cross_entropy_fused(T* __restrict_
                                                                   float* __restrict__ valid_rows,
                                                                   const float* __restrict__ scale, int V,
                                                                   long long ignore_index) {
+    extern __shared__ __align__(16) unsigned char ce_kept_row[];
     constexpr int P = Pack<T>::N;
     const int row = blockIdx.x;
     T* xr = logits + (long long)row * V;
     const long long t = (long long)targets[row];
     const bool ignored = t == ignore_index;
     const bool in_range = t >= 0 && t < V;
+    unsigned shared_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(shared_bytes));
+    T* kept = shared_bytes >= (unsigned long long)V * sizeof(T) ? reinterpret_cast<T*>(ce_kept_row) : nullptr;
     // the target's logit is read before block_max_sum's barriers, so before any thread overwrites it
     float xt = 0.0f;
     if (threadIdx.x == 0 && !ignored && in_range) xt = to_float(xr[t]);
     const bool vec = V % P == 0 && aligned16(logits);
-    const MaxSum st = row_max_sum<kCeThreads>(xr, V, vec);
+    const MaxSum st = row_max_sum<kCeThreads>(xr, V, vec, kept);
     const float lse = st.m + logf(st.s);
     if (threadIdx.x == 0) {
         loss_rows[row] = ignored ? 0.0f : (in_range ? lse - xt : KILN_NAN);
         valid_rows[row] = ignored ? 0.0f : 1.0f;
     }
     const float sc = ignored ? 0.0f : scale[0];
-    if (vec) {
-        for (int p = threadIdx.x; p < V / P; p += kCeThreads) {
-            const Pack<T> a = load_pack(xr + p * P);
-            Pack<T> o;
-#pragma unroll
-            for (int j = 0; j < P; ++j) {
-                const int c = p * P + j;
-                const float prob = expf(to_float(a.v[j]) - lse) - (c == t ? 1.0f : 0.0f);
-                o.v[j] = from_float<T>(ignored ? 0.0f : prob * sc);
-            }
-            store_pack(xr + p * P, o);
-        }
+    if (kept != nullptr) {
+        write_dlogits(reinterpret_cast<const T*>(ce_kept_row), xr, V, vec, t, lse, sc, ignored);
     } else {
-        for (int c = threadIdx.x; c < V; c += kCeThreads) {
-            const float prob = expf(to_float(xr[c]) - lse) - (c == t ? 1.0f : 0.0f);
-            xr[c] = from_float<T>(ignored ? 0.0f : prob * sc);
-        }
+        write_dlogits(static_cast<const T*>(xr), xr, V, vec, t, lse, sc, ignored);
     }
 }
