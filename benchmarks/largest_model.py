@@ -304,6 +304,66 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_case(args, case: dict, rows: list, todo: list, retries: int) -> int:
+    """One case in its own process: its row (or its error) appended to rows; a kiln case out of memory
+    queued again with more recomputed blocks (at most --oom-retries in all). Returns the retries used."""
+    cmd = [sys.executable, __file__, "--framework", case["framework"], "--n-layer-one", str(case["n_layer"]),
+           "--clip", case["clip"], "--recompute-blocks", str(case["recompute_blocks"]),
+           "--recompute-norm-gelu", case["recompute_norm_gelu"],
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    label = (f"{case['framework']} {case['n_layer']} layers clip {case['clip']} recompute {case['recompute_blocks']} "
+             f"blocks, norm/gelu {case['recompute_norm_gelu']}")
+    print(f"{label}: running", flush=True)
+    t0 = time.time()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+    except subprocess.TimeoutExpired:
+        rows.append({**case, "error": f"timed out after {args.worker_timeout:.0f} s"})
+        print(f"{label}: over --worker-timeout", flush=True)
+        return retries
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not line:
+        rows.append({**case, "error": done.stderr[-3000:]})
+        print(f"{label}: FAILED\n{done.stderr[-1500:]}", flush=True)
+        out_of_memory = "MemoryError" in done.stderr or "out of memory" in done.stderr.lower()
+        if case["framework"] == "kiln" and out_of_memory and retries < args.oom_retries \
+                and case["recompute_blocks"] < case["n_layer"]:  # the arithmetic was short: recompute more
+            todo.insert(0, {**case, "recompute_blocks": min(case["n_layer"], case["recompute_blocks"] + args.oom_step)})
+            return retries + 1
+        return retries
+    r = json.loads(line[0][7:])
+    r["wall_s"] = time.time() - t0
+    if r["framework"] == "kiln":
+        r["predicted_gib"] = predicted_bytes(r["n_layer"], r["recompute_blocks"], r["recompute_norm_gelu"] == "on") / GIB
+    rows.append(r)
+    print(f"{label}: {r['tokens_per_s']:.0f} tok/s, {r['peak_allocated_gib']:.1f} GiB, {r['params'] / 1e9:.2f}B "
+          f"params, loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} ({r['wall_s']:.0f} s)", flush=True)
+    return retries
+
+
+def write_record(args, rows: list, total: int) -> list:
+    """The result file (json and md) of the cases run so far, written after each case: a call cut short
+    (a device call's time limit) keeps the cases it finished. Returns the rows as written (each beside
+    PyTorch's, where it ran)."""
+    rows = [dict(r) for r in rows]
+    ref = next((r for r in rows if r["framework"] == "torch-eager" and "error" not in r), None)
+    for r in rows:
+        if ref is not None and "error" not in r:
+            r["product_vs_torch"] = r["tokens_x_params"] / ref["tokens_x_params"]
+            if r["framework"] == "kiln":
+                r["predicted_product_vs_torch"] = predicted_product(r, ref)
+    record = {"benchmark": "largest_model", **run_fields("cuda"), "shape": {"d": D, "heads": HEADS, "B": B, "T": T},
+              "device_gib": total / GIB, "steps": args.steps, "warmup": args.warmup,
+              "target": ">= 10.5B parameters with tokens/s x params >= 0.9x PyTorch's at its largest", "rows": rows}
+    name = args.name or f"largest_model-{record['date']}"
+    out = Path(args.out)
+    write_json(record, out / f"{name}.json")
+    md = (f"# Largest fp32 AdamW model, d={D} {HEADS} heads B{B} T{T}, {record['gpu']}, {record['date']} at "
+          f"{record['commit'][:7]}\n\n`{record['command']}`\n\n{table(rows)}\n")
+    (out / f"{name}.md").write_text(md)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--torch-layers", default="76", help="PyTorch's layer counts (comma-separated)")
@@ -344,55 +404,11 @@ def main() -> None:
     print(f"device memory {total / GIB:.1f} GiB; a plain block keeps {PLAIN_BLOCK_UNITS[args.recompute_norm_gelu == 'on']} x "
           f"{unit_bytes() / 2**20:.0f} MiB, a recomputed one {RECOMPUTED_BLOCK_UNITS}", flush=True)
     rows, todo, retries = [], cases(args, total), 0
+    written: list = []
     while todo:
-        case = todo.pop(0)
-        cmd = [sys.executable, __file__, "--framework", case["framework"], "--n-layer-one", str(case["n_layer"]),
-               "--clip", case["clip"], "--recompute-blocks", str(case["recompute_blocks"]),
-               "--recompute-norm-gelu", case["recompute_norm_gelu"],
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        label = (f"{case['framework']} {case['n_layer']} layers clip {case['clip']} recompute {case['recompute_blocks']} "
-                 f"blocks, norm/gelu {case['recompute_norm_gelu']}")
-        print(f"{label}: running", flush=True)
-        t0 = time.time()
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
-        except subprocess.TimeoutExpired:
-            rows.append({**case, "error": f"timed out after {args.worker_timeout:.0f} s"})
-            print(f"{label}: over --worker-timeout", flush=True)
-            continue
-        line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        if done.returncode or not line:
-            rows.append({**case, "error": done.stderr[-3000:]})
-            print(f"{label}: FAILED\n{done.stderr[-1500:]}", flush=True)
-            out_of_memory = "MemoryError" in done.stderr or "out of memory" in done.stderr.lower()
-            if case["framework"] == "kiln" and out_of_memory and retries < args.oom_retries \
-                    and case["recompute_blocks"] < case["n_layer"]:  # the arithmetic was short: recompute more
-                retries += 1
-                todo.insert(0, {**case, "recompute_blocks": min(case["n_layer"], case["recompute_blocks"] + args.oom_step)})
-            continue
-        r = json.loads(line[0][7:])
-        r["wall_s"] = time.time() - t0
-        if r["framework"] == "kiln":
-            r["predicted_gib"] = predicted_bytes(r["n_layer"], r["recompute_blocks"], r["recompute_norm_gelu"] == "on") / GIB
-        rows.append(r)
-        print(f"{label}: {r['tokens_per_s']:.0f} tok/s, {r['peak_allocated_gib']:.1f} GiB, {r['params'] / 1e9:.2f}B "
-              f"params, loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} ({r['wall_s']:.0f} s)", flush=True)
-    ref = next((r for r in rows if r["framework"] == "torch-eager" and "error" not in r), None)
-    for r in rows:
-        if ref is not None and "error" not in r:
-            r["product_vs_torch"] = r["tokens_x_params"] / ref["tokens_x_params"]
-            if r["framework"] == "kiln":
-                r["predicted_product_vs_torch"] = predicted_product(r, ref)
-    record = {"benchmark": "largest_model", **run_fields("cuda"), "shape": {"d": D, "heads": HEADS, "B": B, "T": T},
-              "device_gib": total / GIB, "steps": args.steps, "warmup": args.warmup,
-              "target": ">= 10.5B parameters with tokens/s x params >= 0.9x PyTorch's at its largest", "rows": rows}
-    name = args.name or f"largest_model-{record['date']}"
-    out = Path(args.out)
-    write_json(record, out / f"{name}.json")
-    md = (f"# Largest fp32 AdamW model, d={D} {HEADS} heads B{B} T{T}, {record['gpu']}, {record['date']} at "
-          f"{record['commit'][:7]}\n\n`{record['command']}`\n\n{table(rows)}\n")
-    (out / f"{name}.md").write_text(md)
-    print(table(rows))
+        retries = run_case(args, todo.pop(0), rows, todo, retries)
+        written = write_record(args, rows, total)
+    print(table(written))
 
 
 if __name__ == "__main__":

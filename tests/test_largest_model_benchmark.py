@@ -2,6 +2,7 @@
 case of each framework on the CPU."""
 
 import argparse
+import json
 import math
 
 import pytest
@@ -94,3 +95,25 @@ def test_the_cases_and_the_table():
     text = lm.table([torch_row, done, failed])
     assert "| kiln | 92 | 10.58B | off | 16, on | 640 | 3.20 | 137.0 | 139.9 | 0.930 | 0.945 |" in text
     assert "MemoryError: out of memory" in text and text.count("\n") == 4
+
+
+def test_the_record_is_written_after_each_case_with_ratios_to_pytorch(tmp_path):
+    """write_record (called after every case, so a call cut short keeps what finished): the json and md of
+    the rows so far, each finished row's tokens x params against PyTorch's, an error row kept as it is."""
+    lm = load()
+    args = argparse.Namespace(out=str(tmp_path), name="largest", steps=3, warmup=1)
+    torch_row = {"framework": "torch-eager", "n_layer": 2, "params": 2e9, "clip": "on", "recompute_blocks": None,
+                 "recompute_norm_gelu": "off", "tokens_per_s": 100.0, "step_s": 20.48, "peak_allocated_gib": 30.0,
+                 "tokens_x_params": 2e11}
+    kiln_row = {**torch_row, "framework": "kiln", "n_layer": 3, "params": 3e9, "tokens_per_s": 80.0,
+                "tokens_x_params": 2.4e11, "recompute_blocks": 1, "recompute_norm_gelu": "on", "predicted_gib": 31.0}
+    failed = {"framework": "kiln", "n_layer": 4, "clip": "host", "recompute_blocks": 2, "error": "out of memory"}
+    rows = [torch_row, kiln_row, failed]
+    written = lm.write_record(args, rows, 80 * GIB)
+    assert written[1]["product_vs_torch"] == pytest.approx(1.2) and "product_vs_torch" not in written[2]
+    assert "product_vs_torch" not in rows[1]  # the caller's rows are not changed
+    record = json.loads((tmp_path / "largest.json").read_text())
+    assert [r["framework"] for r in record["rows"]] == ["torch-eager", "kiln", "kiln"]
+    assert record["device_gib"] == 80 and record["rows"][1]["product_vs_torch"] == pytest.approx(1.2)
+    md = (tmp_path / "largest.md").read_text()
+    assert "| kiln | 3 | 3.00B | on | 1, on | 80 |" in md and "out of memory" in md
