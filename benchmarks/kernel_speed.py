@@ -433,10 +433,9 @@ def host_ms(fn, iters: int) -> float:
     return float(np.median(times))
 
 
-def _row(family, op, dtype, shape, kfn, tfn, iters, nbytes=None, flops=None, timer=None):
-    """timer: median_ms (default: call by call, the host's launch cost included where it exceeds the
-    GPU's time) or graph_ms (the GPU's time alone, for kernels shorter than their launch)."""
-    timer = median_ms if timer is None else timer
+def _row(family, op, dtype, shape, kfn, tfn, iters, nbytes=None, flops=None, timer=median_ms):
+    """timer: median_ms (call by call, the host's launch cost included where it exceeds the GPU's time)
+    or graph_ms (the GPU's time alone, for kernels shorter than their launch)."""
     kms = timer(kfn, iters, "kiln")
     khost = host_ms(kfn, iters)
     tms = timer(tfn, iters, "torch")
