@@ -3,6 +3,7 @@ a folder of its own, the arms interleaved, and `benchmarks/attention.py`'s table
 
     here, in the checkout:  python benchmarks/ab.py prepare 53bfcb3 HEAD wt      (-> ab-arms/, git-ignored)
                             python benchmarks/ab.py prepare HEAD HEAD,KILN_DGELU=0   (an arm with a setting)
+                            python benchmarks/ab.py prepare HEAD benchmarks/arms/NAME.patch   (HEAD with a patch)
     on the device:          python3 benchmarks/ab.py check --logs $OUT/ab-tests -- \\
                                 python3 -m pytest -q -m cuda tests/test_op_attention.py   (all arms at once)
                             python3 benchmarks/ab.py run --repeat 2 --logs $OUT/ab -- \\
@@ -10,7 +11,9 @@ a folder of its own, the arms interleaved, and `benchmarks/attention.py`'s table
                             python3 benchmarks/ab.py table $OUT/ab
 
 (pass `carry: ["ab-arms"]` to the device call). A rev may carry environment settings after commas
-(`REV,VAR=VALUE,...`), set for its runs: two arms of one tree, a knob on and off. `table` merges
+(`REV,VAR=VALUE,...`), set for its runs: two arms of one tree, a knob on and off. A rev that is a `.patch` file
+is HEAD with the patch applied (benchmarks/arms/: changes waiting for a device call, kept on main because a
+session's branches do not reach the next session's checkout). `table` merges
 benchmarks/attention.py's kiln ms and benchmarks/gpt2_step.py's tokens/s. An arm holds src/, benchmarks/ (without results/),
 tests/ and pyproject.toml; the command runs with the arm's folder as its working directory and the
 arm's src/ as PYTHONPATH. A folder per arm, not PYTHONPATH alone, because the benchmarks put their
@@ -38,8 +41,23 @@ EXCLUDE = "benchmarks/results"
 OPS = ("fwd", "bwd", "fwd+bwd")
 
 
-def _git(*args, cwd: Path) -> bytes:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True).stdout
+def _git(*args, cwd: Path, env: dict | None = None) -> bytes:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          env=None if env is None else dict(os.environ, **env)).stdout
+
+
+def _patched_tree(patch: Path, repo: Path, scratch: Path) -> str:
+    """The tree of HEAD with the patch applied (through an index of its own: the checkout is not touched)."""
+    index = scratch / "ab-index"
+    try:
+        _git("read-tree", "HEAD", cwd=repo, env={"GIT_INDEX_FILE": str(index)})
+        try:
+            _git("apply", "--cached", str(patch.resolve()), cwd=repo, env={"GIT_INDEX_FILE": str(index)})
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"ab.py prepare: {patch} does not apply to HEAD:\n{e.stderr.decode()}") from None
+        return _git("write-tree", cwd=repo, env={"GIT_INDEX_FILE": str(index)}).decode().strip()
+    finally:
+        index.unlink(missing_ok=True)
 
 
 def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
@@ -57,7 +75,8 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
             if not eq or not var:
                 raise SystemExit(f"ab.py prepare: {spec!r}: settings after the rev are VAR=VALUE, comma-separated")
             env[var] = value
-        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in spec)
+        label = ",".join([Path(rev).stem, *settings]) if rev.endswith(".patch") else spec
+        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
         if rev == "wt":
             sha = _git("rev-parse", "--short", "HEAD", cwd=repo).decode().strip() + "+wt"
             files = _git("ls-files", "-co", "--exclude-standard", "--", *PATHS, f":(exclude){EXCLUDE}", cwd=repo)
@@ -66,14 +85,18 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
                     if (repo / f).is_file():
                         tar.add(repo / f, arcname=f)
         else:
-            sha = _git("rev-parse", "--short", rev, cwd=repo).decode().strip()
+            if rev.endswith(".patch"):
+                head = _git("rev-parse", "--short", "HEAD", cwd=repo).decode().strip()
+                rev, sha = _patched_tree(Path(rev), repo, out), f"{head}+{Path(rev).stem}"
+            else:
+                sha = _git("rev-parse", "--short", rev, cwd=repo).decode().strip()
             top = set(_git("ls-tree", "--name-only", rev, cwd=repo).decode().splitlines())
             data = _git("archive", "--format=tar", rev, "--", *[p for p in PATHS if p in top], f":(exclude){EXCLUDE}",
                         cwd=repo)
             with tarfile.open(out / f"{i}-{name}.tgz", "w:gz") as tar, tarfile.open(fileobj=io.BytesIO(data)) as src:
                 for member in src.getmembers():
                     tar.addfile(member, src.extractfile(member) if member.isfile() else None)
-        arms.append({"name": name, "rev": rev, "commit": sha, "file": f"{i}-{name}.tgz", "env": env})
+        arms.append({"name": name, "rev": spec.split(",")[0], "commit": sha, "file": f"{i}-{name}.tgz", "env": env})
     (out / "manifest.json").write_text(json.dumps(arms, indent=1) + "\n")
     return arms
 

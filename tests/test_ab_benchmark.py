@@ -45,6 +45,25 @@ def test_every_arm_runs_its_own_tree_interleaved(repo, tmp_path):
     assert json.loads((tmp_path / "logs" / "runs.json").read_text())["runs"] == runs
 
 
+def test_a_patch_arm_is_head_with_the_patch(repo, tmp_path):
+    """benchmarks/arms/*.patch: a change kept on main as a patch (a session's branches do not reach the next
+    session) runs as HEAD with it applied; the checkout is not touched; a patch that does not apply is refused."""
+    ab = load_benchmark("ab")
+    patch = tmp_path / "v5.patch"
+    patch.write_text("--- a/src/kiln/__init__.py\n+++ b/src/kiln/__init__.py\n@@ -1 +1 @@\n-VERSION = 2\n+VERSION = 5\n")
+    arms = ab.prepare(["HEAD", f"{patch},KNOB=1"], repo, tmp_path / "arms")
+    assert [a["name"] for a in arms] == ["HEAD", "v5_KNOB_1"] and arms[1]["commit"].endswith("+v5")
+    assert arms[1]["env"] == {"KNOB": "1"} and not (tmp_path / "arms" / "ab-index").exists()
+    runs = ab.run(tmp_path / "arms", tmp_path / "work", tmp_path / "logs", [sys.executable, "benchmarks/which.py"],
+                  repeat=1, timeout=60)
+    assert [(tmp_path / "logs" / r["log"]).read_text().strip() for r in runs] == ["version 2", "version 5"]
+    assert (repo / "src" / "kiln" / "__init__.py").read_text() == "VERSION = 3\n"  # the working tree as it was
+    subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=repo, check=True)  # and the index
+    patch.write_text(patch.read_text().replace("VERSION = 2", "VERSION = 9"))
+    with pytest.raises(SystemExit, match="does not apply to HEAD"):
+        ab.prepare([str(patch)], repo, tmp_path / "arms")
+
+
 def test_runs_json_names_the_finished_runs_after_each(repo, tmp_path, monkeypatch):
     """A call cut off at its limit keeps the table of the runs it finished: runs.json is written after each."""
     ab = load_benchmark("ab")
