@@ -1,8 +1,11 @@
 """GELU in GPT-2's tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
-Written as in-place passes over one or two scratch arrays: NumPy's temporaries, not tanh,
-were most of the time (a fresh array per operator); run by blocks of rows (row_blocks.py), so
-that those arrays stay in cache between the passes.
+Computed as x s with s = sigmoid(2u) = 1 / (1 + exp(-2u)), u the tanh's argument: 0.5 (1 + tanh u) is
+sigmoid(2u), the same function. NumPy's float32 exp takes about half the time of its tanh on this AVX2
+host (0.7 against 1.4 ms for 512K elements: its tanh has no vector loop below AVX-512), and x s has no
+cancellation where 1 + tanh u had one (x well below 0, tanh u near -1). Written as in-place passes over
+one or two scratch arrays (NumPy's temporaries were most of the time: a fresh array per operator) and run
+by blocks of rows (row_blocks.py), so that those arrays stay in cache between the passes.
 """
 
 import math
@@ -16,36 +19,37 @@ _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
 
 
-def _inner_tanh(xf):
-    """tanh(K x (1 + C x^2)) as a new array."""
-    t = np.multiply(xf, xf)
-    t *= _K * _C
-    t += _K
-    t *= xf
-    return np.tanh(t, out=t)
+def _sigmoid_2u(xf):
+    """sigmoid(2u) = 0.5 (1 + tanh u), u = K x (1 + C x^2), as a new array."""
+    s = np.multiply(xf, xf)
+    s *= -2.0 * _K * _C
+    s -= 2.0 * _K
+    s *= xf                      # -2u
+    with np.errstate(over="ignore"):  # exp(-2u) = inf for x below about -10: s = 1 / inf = 0, as tanh u = -1 gave
+        np.exp(s, out=s)
+    s += 1.0
+    return np.reciprocal(s, out=s)
 
 
 def _gelu(xf):
-    y = _inner_tanh(xf)
-    y += 1.0
+    y = _sigmoid_2u(xf)
     y *= xf
-    y *= 0.5
     return y
 
 
 def _gelu_grad(xf, g):
-    """g * d gelu / dx = g * (0.5 (1 + t) + 0.5 x (1 - t^2) K (1 + 3 C x^2))."""
-    t = _inner_tanh(xf)
-    s = np.multiply(xf, xf)
-    s *= 1.5 * _K * _C
-    s += 0.5 * _K
-    s *= xf                      # 0.5 K x (1 + 3 C x^2)
-    s *= 1.0 - t * t
-    t += 1.0
-    t *= 0.5
-    t += s
-    t *= g
-    return t
+    """g * d gelu / dx = g * s (1 + q (1 - s)), s = sigmoid(2u), q = 2 K x (1 + 3 C x^2) (= 2 u' x)."""
+    s = _sigmoid_2u(xf)
+    q = np.multiply(xf, xf)
+    q *= 6.0 * _K * _C
+    q += 2.0 * _K
+    q *= xf
+    w = np.subtract(1.0, s, dtype=s.dtype)
+    w *= q
+    w += 1.0
+    w *= s
+    w *= g
+    return w
 
 
 def gelu_fwd(x):
