@@ -12,8 +12,9 @@ a folder of its own, the arms interleaved, and `benchmarks/attention.py`'s table
 
 (pass `carry: ["ab-arms"]` to the device call). A rev may carry environment settings after commas
 (`REV,VAR=VALUE,...`), set for its runs: two arms of one tree, a knob on and off. A rev that is a `.patch` file
-is HEAD with the patch applied (benchmarks/arms/: changes waiting for a device call, kept on main because a
-session's branches do not reach the next session's checkout). `table` merges
+is HEAD with the patch applied, its commit HEAD+NAME@BLOB (BLOB: the patch file's git hash, so a log names the
+patch's version); benchmarks/arms/ keeps changes waiting for a device call on main, because a session's branches
+do not reach the next session's checkout. `table` merges
 benchmarks/attention.py's kiln ms and benchmarks/gpt2_step.py's tokens/s. An arm holds src/, benchmarks/ (without results/),
 tests/ and pyproject.toml; the command runs with the arm's folder as its working directory and the
 arm's src/ as PYTHONPATH. A folder per arm, not PYTHONPATH alone, because the benchmarks put their
@@ -87,7 +88,8 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
         else:
             if rev.endswith(".patch"):
                 head = _git("rev-parse", "--short", "HEAD", cwd=repo).decode().strip()
-                rev, sha = _patched_tree(Path(rev), repo, out), f"{head}+{Path(rev).stem}"
+                blob = _git("hash-object", str(Path(rev).resolve()), cwd=repo).decode().strip()[:7]
+                rev, sha = _patched_tree(Path(rev), repo, out), f"{head}+{Path(rev).stem}@{blob}"
             else:
                 sha = _git("rev-parse", "--short", rev, cwd=repo).decode().strip()
             top = set(_git("ls-tree", "--name-only", rev, cwd=repo).decode().splitlines())

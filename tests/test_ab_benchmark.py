@@ -52,7 +52,8 @@ def test_a_patch_arm_is_head_with_the_patch(repo, tmp_path):
     patch = tmp_path / "v5.patch"
     patch.write_text("--- a/src/kiln/__init__.py\n+++ b/src/kiln/__init__.py\n@@ -1 +1 @@\n-VERSION = 2\n+VERSION = 5\n")
     arms = ab.prepare(["HEAD", f"{patch},KNOB=1"], repo, tmp_path / "arms")
-    assert [a["name"] for a in arms] == ["HEAD", "v5_KNOB_1"] and arms[1]["commit"].endswith("+v5")
+    blob = subprocess.run(["git", "hash-object", str(patch)], capture_output=True, text=True, check=True).stdout[:7]
+    assert [a["name"] for a in arms] == ["HEAD", "v5_KNOB_1"] and arms[1]["commit"].endswith(f"+v5@{blob}")
     assert arms[1]["env"] == {"KNOB": "1"} and not (tmp_path / "arms" / "ab-index").exists()
     runs = ab.run(tmp_path / "arms", tmp_path / "work", tmp_path / "logs", [sys.executable, "benchmarks/which.py"],
                   repeat=1, timeout=60)
