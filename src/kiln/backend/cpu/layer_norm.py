@@ -17,10 +17,17 @@ def _row_dot(a, b):
     return np.einsum("ij,ij->i", a, b)[:, None]
 
 
+def _row_sum(a):
+    """sum over the last axis: [N, 1]. einsum's loop, not a.sum(axis=-1): NumPy's reduction over a short
+    contiguous last axis (GPT-2's 768, the tiny preset's 128) took twice einsum's time here."""
+    return np.einsum("ij->i", a)[:, None]
+
+
 def _normalize(xf, weight, bias, eps, out=None):
     """(y, mean, rstd) of rows xf in the compute dtype; y in `out` when given (of that dtype)."""
     c = xf.shape[-1]
-    mean = xf.mean(axis=-1, keepdims=True)
+    mean = _row_sum(xf)
+    mean /= c
     y = np.subtract(xf, mean, out=out)
     var = _row_dot(y, y)
     var /= c
@@ -84,7 +91,7 @@ def _backward(grad, x, weight, mean, rstd, need_dw, need_db, param_grad_dtype, g
         proj /= c
         xhat *= -proj  # dx, built in xhat's buffer
         xhat += gw
-        xhat -= gw.sum(axis=-1, keepdims=True) / c
+        xhat -= _row_sum(gw) / c
         xhat *= rstd[r, None]
         if grad_s is not None:
             xhat += upcast(grad_s[r])
