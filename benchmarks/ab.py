@@ -50,13 +50,14 @@ def _git(*args, cwd: Path, env: dict | None = None) -> bytes:
 def _patched_tree(patch: Path, repo: Path, scratch: Path) -> str:
     """The tree of HEAD with the patch applied (through an index of its own: the checkout is not touched)."""
     index = scratch / "ab-index"
+    env = {"GIT_INDEX_FILE": str(index)}
     try:
-        _git("read-tree", "HEAD", cwd=repo, env={"GIT_INDEX_FILE": str(index)})
+        _git("read-tree", "HEAD", cwd=repo, env=env)
         try:
-            _git("apply", "--cached", str(patch.resolve()), cwd=repo, env={"GIT_INDEX_FILE": str(index)})
+            _git("apply", "--cached", str(patch.resolve()), cwd=repo, env=env)
         except subprocess.CalledProcessError as e:
             raise SystemExit(f"ab.py prepare: {patch} does not apply to HEAD:\n{e.stderr.decode()}") from None
-        return _git("write-tree", cwd=repo, env={"GIT_INDEX_FILE": str(index)}).decode().strip()
+        return _git("write-tree", cwd=repo, env=env).decode().strip()
     finally:
         index.unlink(missing_ok=True)
 

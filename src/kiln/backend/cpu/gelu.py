@@ -1,8 +1,9 @@
 """GELU in GPT-2's tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
 Computed as x s with s = sigmoid(2u) = 1 / (1 + exp(-2u)), u the tanh's argument: 0.5 (1 + tanh u) is
-sigmoid(2u), the same function. NumPy's float32 exp takes about half the time of its tanh on this AVX2
-host (0.7 against 1.4 ms for 512K elements: its tanh has no vector loop below AVX-512), and x s has no
+sigmoid(2u), the same function. NumPy's float32 exp takes about half the time of its tanh on an AVX2
+host without AVX-512 (0.7 against 1.4-1.5 ms for 512K elements:
+benchmarks/results/cpu_kernels/gelu-sigmoid-ab-2026-12-08/ufuncs.log), and x s has no
 cancellation where 1 + tanh u had one (x well below 0, tanh u near -1). Written as in-place passes over
 one or two scratch arrays (NumPy's temporaries were most of the time: a fresh array per operator) and run
 by blocks of rows (row_blocks.py), so that those arrays stay in cache between the passes.
