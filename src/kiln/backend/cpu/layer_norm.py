@@ -19,7 +19,8 @@ def _row_dot(a, b):
 
 def _row_sum(a):
     """sum over the last axis: [N, 1]. einsum's loop, not a.sum(axis=-1): NumPy's reduction over a short
-    contiguous last axis (GPT-2's 768, the tiny preset's 128) took twice einsum's time here."""
+    contiguous last axis (GPT-2's 768, the tiny preset's 128) took 2-3x einsum's time on a 2-core AVX2 host
+    (benchmarks/results/cpu_kernels/layer-norm-einsum-ab-2026-12-08/reductions.log)."""
     return np.einsum("ij->i", a)[:, None]
 
 
