@@ -4,10 +4,14 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.benchmark_support import load_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+WAITING = sorted((ROOT / "benchmarks" / "arms").glob("*.patch"))
 
 
 def _git(repo, *args):
@@ -164,3 +168,12 @@ def test_the_table_reads_gpt2_step_tokens_per_second(tmp_path):
     lines = ab.table(tmp_path).splitlines()
     assert lines[0] == "tokens/s; base = aaa, new = bbb"
     assert lines[2].split() == ["kiln", "bf16", "476556", "476742", "482975", "484519", "476649", "483747", "1.015"]
+
+
+@pytest.mark.parametrize("patch", WAITING, ids=[p.stem for p in WAITING])
+def test_every_patch_waiting_for_a_device_applies_here_and_is_listed(patch):
+    """benchmarks/arms/: each patch still applies to this tree (a change to the code under it rebases it, `git
+    apply -3`, so the next device call can run it) and its README names it (as a link)."""
+    r = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, f"{patch.name} no longer applies: rebase it or drop it with its row\n{r.stderr}"
+    assert f"({patch.name})" in (ROOT / "benchmarks" / "arms" / "README.md").read_text()
