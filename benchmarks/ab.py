@@ -77,7 +77,8 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
             if not eq or not var:
                 raise SystemExit(f"ab.py prepare: {spec!r}: settings after the rev are VAR=VALUE, comma-separated")
             env[var] = value
-        label = ",".join([Path(rev).stem, *settings]) if rev.endswith(".patch") else spec
+        patch = Path(rev) if rev.endswith(".patch") else None
+        label = ",".join([patch.stem, *settings]) if patch else spec
         name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
         if rev == "wt":
             sha = _git("rev-parse", "--short", "HEAD", cwd=repo).decode().strip() + "+wt"
@@ -87,10 +88,10 @@ def prepare(revs: list[str], repo: Path, out: Path) -> list[dict]:
                     if (repo / f).is_file():
                         tar.add(repo / f, arcname=f)
         else:
-            if rev.endswith(".patch"):
+            if patch:
                 head = _git("rev-parse", "--short", "HEAD", cwd=repo).decode().strip()
-                blob = _git("hash-object", str(Path(rev).resolve()), cwd=repo).decode().strip()[:7]
-                rev, sha = _patched_tree(Path(rev), repo, out), f"{head}+{Path(rev).stem}@{blob}"
+                blob = _git("hash-object", str(patch.resolve()), cwd=repo).decode().strip()[:7]
+                rev, sha = _patched_tree(patch, repo, out), f"{head}+{patch.stem}@{blob}"
             else:
                 sha = _git("rev-parse", "--short", rev, cwd=repo).decode().strip()
             top = set(_git("ls-tree", "--name-only", rev, cwd=repo).decode().splitlines())
